@@ -1,0 +1,278 @@
+"""Typed configuration: one dataclass per component, each validated in `__post_init__`.
+
+The dataclasses are registered as Hydra structured configs (`register_configs`), so a misspelt key or a value of
+the wrong type fails when the config is composed, before any process starts. Every check raises `ConfigError`
+with the key as the user writes it on the command line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_checkpointless.errors import ConfigError
+
+FAULT_KINDS = ("kill", "exception")
+
+
+def _positive(key: str, value: int | float, fix: str = "use a value >= 1") -> None:
+    if value < 1:
+        raise ConfigError(key, value, "must be >= 1", fix)
+
+
+def _non_negative(key: str, value: int | float) -> None:
+    if value < 0:
+        raise ConfigError(key, value, "must be >= 0", "use 0 to disable, or a positive value")
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-class decoder (see `nemo_checkpointless.models.LlamaConfig`)."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 352
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
+            _positive(f"model.{key}", getattr(self, key))
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ConfigError("model.d_model", self.d_model,
+                              f"must be an even multiple of model.n_heads={self.n_heads}",
+                              "change model.d_model or model.n_heads")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError("model.n_kv_heads", self.n_kv_heads,
+                              f"must divide model.n_heads={self.n_heads} (grouped-query attention)",
+                              "choose a divisor of model.n_heads")
+
+
+@dataclass
+class DataConfig:
+    """Token data: `path` is a PREFIX of PREFIX.bin + PREFIX.idx; None means the embedded default corpus."""
+
+    path: str | None = None
+    seq_len: int = 128
+    micro_batch_size: int = 8
+    shuffle: bool = True
+    cache_dir: str | None = None
+    default_corpus_bytes: int = 4_000_000
+
+    def __post_init__(self) -> None:
+        _positive("data.seq_len", self.seq_len)
+        _positive("data.micro_batch_size", self.micro_batch_size)
+        _positive("data.default_corpus_bytes", self.default_corpus_bytes)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay to `min_lr`; `grad_clip` 0 disables clipping."""
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError("optim.lr", self.lr, "must be > 0", "use e.g. optim.lr=3e-4")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError("optim.min_lr", self.min_lr, f"must lie in [0, optim.lr={self.lr}]", "lower it")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"optim.{key}", getattr(self, key), "must lie in [0, 1)", "use e.g. 0.9")
+        _non_negative("optim.weight_decay", self.weight_decay)
+        _non_negative("optim.warmup_steps", self.warmup_steps)
+        _non_negative("optim.grad_clip", self.grad_clip)
+
+
+@dataclass
+class TrainerConfig:
+    """`devices` ranks per node (CPU processes on a CPU machine) x `num_nodes`."""
+
+    devices: int = 4
+    num_nodes: int = 1
+    accelerator: str = "cpu"
+    max_steps: int = 200
+    log_every_n_steps: int = 10
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("trainer.devices", self.devices)
+        _positive("trainer.num_nodes", self.num_nodes)
+        _positive("trainer.max_steps", self.max_steps)
+        _positive("trainer.log_every_n_steps", self.log_every_n_steps)
+        if self.accelerator not in ("cpu", "gpu"):
+            raise ConfigError("trainer.accelerator", self.accelerator, "must be cpu or gpu", "pick one of the two")
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+
+@dataclass
+class ParallelConfig:
+    """Model parallelism (Megatron names); the plain-Lightning path supports data parallelism only."""
+
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    pp: int = 1
+    order: str = "tp-cp-ep-dp-pp"
+
+
+@dataclass
+class ReplicationConfig:
+    """Tier 4: `num_instances` replicated copies of the sharded optimizer state (must divide the DP size)."""
+
+    num_instances: int = 2
+    spares: int = 0
+    checksum: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("replication.num_instances", self.num_instances)
+        if self.spares < 0:
+            raise ConfigError("replication.spares", self.spares, "must be >= 0", "use 0 for no hot spare, or 1, 2, ...")
+
+
+@dataclass
+class CheckpointConfig:
+    """Persistent fallback checkpoint (torch.distributed.checkpoint); `every_n_steps` 0 disables it."""
+
+    every_n_steps: int = 0
+    dir: str | None = None
+
+    def __post_init__(self) -> None:
+        _non_negative("checkpoint.every_n_steps", self.every_n_steps)
+
+
+@dataclass
+class FaultSpec:
+    """One injected fault: `kind` (kill | exception) on `rank` when it starts step `step`."""
+
+    kind: str = "kill"
+    rank: int = 0
+    step: int = 1
+
+
+@dataclass
+class FaultConfig:
+    plan: list[FaultSpec] = field(default_factory=list)
+
+
+@dataclass
+class LauncherConfig:
+    """Where the job's store and sockets bind (loopback on one machine) and how long a collective may block."""
+
+    host: str = "127.0.0.1"
+    collective_timeout_s: float = 30.0
+    start_timeout_s: float = 300.0
+    threads_per_rank: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.collective_timeout_s > 0:
+            raise ConfigError("launcher.collective_timeout_s", self.collective_timeout_s, "must be > 0", "use e.g. 30")
+        _positive("launcher.threads_per_rank", self.threads_per_rank)
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/${recipe_name}"
+
+
+@dataclass
+class Config:
+    """The whole job. `recipe_name` is set by the recipe file chosen with `recipe=NAME`."""
+
+    recipe_name: str = "custom"
+    seed: int = 1234
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+    def __post_init__(self) -> None:
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError("data.seq_len", self.data.seq_len,
+                              f"must be <= model.max_seq_len={self.model.max_seq_len}",
+                              "lower data.seq_len or raise model.max_seq_len")
+        self.dims()
+        world = self.trainer.world_size
+        for i, spec in enumerate(self.fault.plan):
+            if spec.kind not in FAULT_KINDS:
+                raise ConfigError(f"fault.plan[{i}].kind", spec.kind, f"must be one of {', '.join(FAULT_KINDS)}",
+                                  "fix the kind")
+            if not 0 <= spec.rank < world:
+                raise ConfigError(f"fault.plan[{i}].rank", spec.rank, f"must name a rank in 0..{world - 1}",
+                                  f"the job has {world} ranks (trainer.devices x trainer.num_nodes)")
+            if not 1 <= spec.step <= self.trainer.max_steps:
+                raise ConfigError(f"fault.plan[{i}].step", spec.step,
+                                  f"must be a step in 1..trainer.max_steps={self.trainer.max_steps}",
+                                  "pick a step the run reaches")
+
+    def dims(self) -> Any:
+        """The parallel layout (`topology.ParallelDims`); validates divisibility rules."""
+        from nemo_checkpointless.topology import ParallelDims
+
+        return ParallelDims(world_size=self.trainer.world_size, tp=self.parallel.tp, cp=self.parallel.cp,
+                            ep=self.parallel.ep, pp=self.parallel.pp, num_instances=self.replication.num_instances,
+                            order=self.parallel.order)
+
+
+def register_configs() -> None:
+    """Register `Config` as Hydra's schema `base_config` (so unknown keys and wrong types fail at compose time)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+RUN_CONFIG = "config.yaml"
+
+
+def to_object(node: Any) -> Config:
+    """A composed OmegaConf node -> a validated `Config` (runs every `__post_init__`)."""
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.structured(Config), node)
+    obj = OmegaConf.to_object(merged)
+    assert isinstance(obj, Config)
+    return obj
+
+
+def save_run_config(cfg: Config, run_dir: Any) -> None:
+    """Write the fully resolved config the workers will read (YAML, private to the user)."""
+    import os
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir) / RUN_CONFIG
+    fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
+    path.with_suffix(".tmp").replace(path)
+
+
+def load_run_config(run_dir: Any) -> Config:
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    return to_object(OmegaConf.load(Path(run_dir) / RUN_CONFIG))

@@ -1,0 +1,186 @@
+"""A distributed optimizer with N replicated instances (Megatron's `num_distributed_optimizer_instances`).
+
+Layout. The parameters of each optimizer param group are moved into one flat fp32 buffer, padded to a multiple
+of the data-parallel size (so the gradient all-reduce has the same shape, hence the same summation order, for
+every N). The data-parallel ranks form N instances of S = DP / N ranks; inside an instance the flat buffer is
+split into S equal shards and the rank at shard position p owns shard p: the wrapped torch optimizer updates only
+that slice (a `Parameter` aliasing it) and keeps state only for it. The rank at position p of every other
+instance owns an identical copy: that is the replica a replacement is restored from.
+
+A step (every DP rank calls `step`, once per training step, in the same order):
+  1. all-reduce the flat gradients over the DP group and divide by DP (plus an optional small side channel
+     that rides in the same buffer, used for the per-step batch hashes);
+  2. clip by the global norm, computed locally from the full averaged gradient (no extra collective);
+  3. the wrapped optimizer updates this rank's shard;
+  4. all-gather the shards inside the instance, so every rank again holds the full parameters.
+The update is elementwise, so results do not depend on N: N=1, 2 and DP give bitwise-equal training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nemo_checkpointless.restart.groups import Group
+
+
+@dataclass
+class _FlatGroup:
+    params: list[tuple[str, nn.Parameter]]
+    offsets: list[int]
+    flat: torch.Tensor  # full parameters, padded
+    shard: nn.Parameter  # alias of this rank's slice of `flat`
+    lo: int
+    hi: int
+
+
+class ShardedOptimizer:
+    """Wraps a torch optimizer built over `module`'s parameters and shards it as described in the module doc.
+
+    `dp_group()` and `instance_group()` return the current groups (they change after a recovery); the instance
+    group's members must be listed in shard-position order.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dp_size: int,
+        num_instances: int,
+        shard_index: int,
+        dp_group: Callable[[], Group],
+        instance_group: Callable[[], Group],
+        grad_clip: float = 0.0,
+        side_channel_numel: int = 0,
+    ) -> None:
+        assert dp_size % num_instances == 0, (dp_size, num_instances)
+        self.optimizer = optimizer
+        self.dp_size = dp_size
+        self.shard_size = dp_size // num_instances
+        self.shard_index = shard_index
+        self._dp_group = dp_group
+        self._instance_group = instance_group
+        self.grad_clip = grad_clip
+        self.side_channel_numel = side_channel_numel
+        self.completed_steps = 0
+        if optimizer.state:
+            raise ValueError("ShardedOptimizer must wrap a fresh optimizer (its state is not empty)")
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.groups: list[_FlatGroup] = []
+        for pg in optimizer.param_groups:
+            params = [(names[id(p)], p) for p in pg["params"] if p.requires_grad]
+            self.groups.append(self._flatten(params))
+            pg["params"] = [self.groups[-1].shard]
+        total = sum(g.flat.numel() for g in self.groups)
+        self.flat_grad = torch.zeros(total + side_channel_numel)
+
+    def _flatten(self, params: list[tuple[str, nn.Parameter]]) -> _FlatGroup:
+        numel = sum(p.numel() for _, p in params)
+        padded = -(-numel // self.dp_size) * self.dp_size
+        for _, p in params:
+            if p.dtype != torch.float32:
+                raise TypeError(f"ShardedOptimizer keeps fp32 parameters; got {p.dtype}")
+        flat = torch.zeros(padded, dtype=torch.float32)
+        offsets, off = [], 0
+        for _, p in params:
+            flat[off : off + p.numel()].copy_(p.detach().view(-1))
+            p.data = flat[off : off + p.numel()].view_as(p)
+            offsets.append(off)
+            off += p.numel()
+        shard_len = padded // self.shard_size
+        lo = self.shard_index * shard_len
+        return _FlatGroup(params, offsets, flat, nn.Parameter(flat[lo : lo + shard_len]), lo, lo + shard_len)
+
+    # ----------------------------------------------------------------------------------------------- a step
+    def reduce_gradients(self, side_channel: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Phase 1+2 (collective over DP): average the gradients, clip them. Returns the summed side channel."""
+        off = 0
+        for g in self.groups:
+            for (_, p), p_off in zip(g.params, g.offsets, strict=True):
+                view = self.flat_grad[off + p_off : off + p_off + p.numel()]
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad.view(-1))
+                p.grad = None
+            off += g.flat.numel()
+        tail = self.flat_grad[off:]
+        if side_channel is not None:
+            tail.copy_(side_channel)
+        else:
+            tail.zero_()
+        self._dp_group().all_reduce(self.flat_grad)
+        grads = self.flat_grad[:off]
+        grads.div_(self.dp_size)
+        if self.grad_clip > 0:
+            norm = torch.linalg.vector_norm(grads)
+            coef = self.grad_clip / (norm + 1e-6)
+            if coef < 1:
+                grads.mul_(coef)
+        return tail.clone() if side_channel is not None else None
+
+    def update_shard(self) -> None:
+        """Phase 3 (local): the wrapped optimizer steps on this rank's shard."""
+        off = 0
+        for g in self.groups:
+            g.shard.grad = self.flat_grad[off + g.lo : off + g.hi]
+            off += g.flat.numel()
+        self.optimizer.step()
+        for g in self.groups:
+            g.shard.grad = None
+
+    def gather_params(self) -> None:
+        """Phase 4 (collective over the instance): every rank gets the full updated parameters."""
+        group = self._instance_group()
+        for g in self.groups:
+            n = g.hi - g.lo
+            outs = [g.flat[i * n : (i + 1) * n] for i in range(self.shard_size)]
+            # gloo reads the input while writing outputs: give it a copy of our own slice.
+            group.all_gather(outs, g.shard.detach().clone())
+
+    def step(self, side_channel: torch.Tensor | None = None) -> torch.Tensor | None:
+        summed = self.reduce_gradients(side_channel)
+        self.update_shard()
+        self.gather_params()
+        self.completed_steps += 1
+        return summed
+
+    # ------------------------------------------------------------------------------------------- state views
+    def shard_state(self) -> dict[str, torch.Tensor]:
+        """This rank's optimizer state (and shard of the parameters), by name: what a replica must hold equal."""
+        out: dict[str, torch.Tensor] = {}
+        for i, g in enumerate(self.groups):
+            out[f"group{i}.param"] = g.shard.detach()
+            for key, value in self.optimizer.state.get(g.shard, {}).items():
+                if torch.is_tensor(value):
+                    out[f"group{i}.{key}"] = value
+        return out
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        """(params by name, optimizer state by param name and key), gathered over the instance (collective).
+
+        Per-shard scalars (e.g. AdamW's `step`) are equal on every shard and are reported once per param.
+        """
+        group = self._instance_group()
+        params = {name: p.detach() for g in self.groups for name, p in g.params}
+        state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in params}
+        for g in self.groups:
+            n = g.hi - g.lo
+            for key, value in sorted(self.optimizer.state.get(g.shard, {}).items()):
+                if not torch.is_tensor(value):
+                    continue
+                if value.shape != g.shard.shape:
+                    for name, _ in g.params:
+                        state[name][key] = value.detach().clone()
+                    continue
+                full = torch.empty_like(g.flat)
+                group.all_gather([full[i * n : (i + 1) * n] for i in range(self.shard_size)], value.detach().clone())
+                for (name, p), off in zip(g.params, g.offsets, strict=True):
+                    state[name][key] = full[off : off + p.numel()].view_as(p)
+        return params, state
+
+    def parameters(self) -> Iterable[nn.Parameter]:
+        return (p for g in self.groups for _, p in g.params)

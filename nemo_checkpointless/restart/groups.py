@@ -1,0 +1,150 @@
+"""Process groups built from the launcher's store, and collectives that notice a failure anywhere in the job.
+
+Why not `torch.distributed.init_process_group`: the default group is global state that cannot be replaced while a
+collective is stuck in it, and its store lives on rank 0. Here every group is a `ProcessGroupGloo` object built
+from a `PrefixStore` over the store that the launcher hosts (never a training rank), under a prefix that names the
+generation; after a failure the survivors simply build the next generation's groups. The broken groups are kept
+referenced (`Membership.retired`): destroying a gloo group with a stuck collective would block until its timeout.
+
+Failure news: on gloo only the dead rank's ring neighbours see a crash, and `abort()` does not unblock a stuck
+collective. So every wait here polls the launcher's store for the job's fault key between short waits on the
+collective's future; whichever comes first ends the wait.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+FAULT_KEY = "job/fault_generation"
+POLL_S = 0.005
+
+
+class PeerFailure(RuntimeError):
+    """A collective could not complete because some rank of the job failed (or the launcher said so)."""
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the launcher's store (every worker and spare is a client; the launcher is the server)."""
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def fault_generation(store: dist.Store) -> int:
+    """The generation the launcher has declared failed most recently (-1: none)."""
+    if not store.check([FAULT_KEY]):
+        return -1
+    return int(store.get(FAULT_KEY))
+
+
+@dataclass
+class Group:
+    """One gloo group over `ranks` (global ranks, in group-rank order) of generation `generation`.
+
+    Every method is a collective over `ranks`: all members call it, in the same order, with same-shaped tensors.
+    A method raises `PeerFailure` when the collective fails or when the launcher reports a fault of this
+    generation or later; it never blocks past `timeout_s`.
+    """
+
+    store: dist.Store
+    generation: int
+    name: str
+    ranks: tuple[int, ...]
+    rank: int
+    host: str
+    timeout_s: float
+    pg: Any = field(init=False)  # ProcessGroupGloo; its collective methods are untyped in torch's stubs
+
+    def __post_init__(self) -> None:
+        opts: Any = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+        opts._timeout = datetime.timedelta(seconds=self.timeout_s)
+        prefix = f"gen{self.generation}/{self.name}/{','.join(map(str, self.ranks))}"
+        try:
+            store = dist.PrefixStore(prefix, self.store)
+            self.pg = dist.ProcessGroupGloo(store, self.group_rank, len(self.ranks), opts)
+        except RuntimeError as e:  # a member died before connecting
+            raise PeerFailure(f"forming group {self.name} of generation {self.generation}: {e}") from e
+
+    @property
+    def group_rank(self) -> int:
+        return self.ranks.index(self.rank)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _: done.set())
+        deadline = time.monotonic() + self.timeout_s
+        while not done.wait(POLL_S):
+            if fault_generation(self.store) >= self.generation:
+                raise PeerFailure(f"{what}: the launcher reported a failed rank (generation {self.generation})")
+            if time.monotonic() > deadline:
+                raise PeerFailure(f"{what}: no progress in {self.timeout_s:.0f} s (launcher.collective_timeout_s)")
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise PeerFailure(f"{what}: {e}") from e
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` in place over the group."""
+        self._wait(self.pg.allreduce([tensor]), f"all_reduce in {self.name}")
+
+    def all_gather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> None:
+        """outputs[i] <- tensor of group rank i (all tensors the same shape)."""
+        self._wait(self.pg.allgather([list(outputs)], [tensor]), f"all_gather in {self.name}")
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """tensor <- tensor of global rank `src` (a member)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self.ranks.index(src)
+        self._wait(self.pg.broadcast([tensor], opts), f"broadcast in {self.name}")
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self._wait(self.pg.send([tensor], self.ranks.index(dst), tag), f"send to rank {dst} in {self.name}")
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        self._wait(self.pg.recv([tensor], self.ranks.index(src), tag), f"recv from rank {src} in {self.name}")
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1))
+
+
+@dataclass
+class Membership:
+    """This rank's groups for the current generation, and the groups of earlier generations it abandoned."""
+
+    store: dist.Store
+    rank: int
+    world_size: int
+    host: str
+    timeout_s: float
+    generation: int = 0
+    groups: dict[str, Group] = field(default_factory=dict)
+    retired: list[Group] = field(default_factory=list)
+
+    def group(self, name: str, ranks: Sequence[int]) -> Group:
+        """The group `name` over `ranks` in the current generation (built on first use by each member)."""
+        key = f"{name}:{','.join(map(str, ranks))}"
+        if key not in self.groups:
+            self.groups[key] = Group(self.store, self.generation, name, tuple(ranks), self.rank, self.host,
+                                     self.timeout_s)
+        return self.groups[key]
+
+    def world(self) -> Group:
+        return self.group("world", range(self.world_size))
+
+    def advance(self, generation: int) -> None:
+        """Abandon every group and move to `generation` (groups are rebuilt lazily, by name)."""
+        assert generation > self.generation, (generation, self.generation)
+        self.retired.extend(self.groups.values())
+        self.groups = {}
+        self.generation = generation

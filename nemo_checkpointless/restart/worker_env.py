@@ -1,0 +1,40 @@
+"""What the launcher tells a worker through its environment, and the worker's connection to the job's store."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from nemo_checkpointless.restart.groups import Membership, connect_store
+
+ENV_PREFIX = "NCL_"
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    store_host: str
+    store_port: int
+    run_dir: str
+
+    @classmethod
+    def from_environ(cls) -> WorkerEnv:
+        env = os.environ
+        try:
+            return cls(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), local_rank=int(env["LOCAL_RANK"]),
+                       store_host=env[f"{ENV_PREFIX}STORE_HOST"], store_port=int(env[f"{ENV_PREFIX}STORE_PORT"]),
+                       run_dir=env[f"{ENV_PREFIX}RUN_DIR"])
+        except KeyError as e:
+            raise RuntimeError(f"worker started without {e.args[0]} in its environment: start workers with "
+                               "checkpointless-train (the launcher), not directly") from e
+
+    def to_environ(self) -> dict[str, str]:
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+                f"{ENV_PREFIX}STORE_HOST": self.store_host, f"{ENV_PREFIX}STORE_PORT": str(self.store_port),
+                f"{ENV_PREFIX}RUN_DIR": self.run_dir}
+
+    def membership(self, timeout_s: float) -> Membership:
+        store = connect_store(self.store_host, self.store_port, timeout_s)
+        return Membership(store, self.rank, self.world_size, self.store_host, timeout_s)
