@@ -65,7 +65,7 @@ def _override_for(overrides: list[str], key: str) -> str:
 
 def _explain(e: Exception, overrides: list[str]) -> ConfigError:
     """Map a Hydra/OmegaConf composition error to a ConfigError naming the key, value, rule and fix."""
-    msg = str(e)
+    msg = f"{e}\n{e.__cause__ or ''}"
     if m := re.search(r"Could not find '(?:recipe/)?([^']+)'", msg):
         name = m.group(1)
         close = difflib.get_close_matches(name, recipe_names(), n=1)
