@@ -20,7 +20,8 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["trainer.max_stepz=5"], ["trainer.max_stepz=5", "no such key under trainer", "did you mean trainer.max_steps"]),
+        (["trainer.max_stepz=5"], ["trainer.max_stepz=5", "no such key under trainer",
+                                   "did you mean trainer.max_steps"]),
         (["recipe=tiny_lama_cpu"], ["recipe=tiny_lama_cpu", "no such recipe", "did you mean recipe=tiny_llama_cpu"]),
         (["replication.num_instances=3"], ["replication.num_instances=3", "must divide the data-parallel size 4",
                                            "1, 2 or 4"]),
