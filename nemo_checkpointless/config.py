@@ -179,11 +179,13 @@ class LauncherConfig:
     collective_timeout_s: float = 30.0
     start_timeout_s: float = 300.0
     threads_per_rank: int = 1
+    max_restarts: int = 10
 
     def __post_init__(self) -> None:
         if not self.collective_timeout_s > 0:
             raise ConfigError("launcher.collective_timeout_s", self.collective_timeout_s, "must be > 0", "use e.g. 30")
         _positive("launcher.threads_per_rank", self.threads_per_rank)
+        _non_negative("launcher.max_restarts", self.max_restarts)
 
 
 @dataclass

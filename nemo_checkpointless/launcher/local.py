@@ -1,5 +1,11 @@
-"""Single-machine launcher. It hosts the job's TCPStore (so no training rank hosts it), bound to the configured
-interface (loopback by default), starts one worker process per rank, watches them, and merges the summary.
+"""Single-machine launcher: the operator role on one machine.
+
+It hosts the job's TCPStore (so no training rank hosts it), bound to the configured interface (loopback by
+default); starts one worker process per rank plus `replication.spares` hot spares (imports done, waiting);
+watches them with `waitpid`; and when a worker dies it declares the current generation failed (the survivors'
+collectives return at once), hands each lost rank to a spare (or starts a fresh process), publishes the next
+generation, refills the spare pool once the recovery is done, and at the end merges the summary with one record
+per recovery. It never decides how state is restored: the ranks agree on that among themselves.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -18,10 +25,14 @@ import torch.distributed as dist
 
 from nemo_checkpointless.config import Config
 from nemo_checkpointless.restart.groups import FAULT_KEY
-from nemo_checkpointless.restart.worker_env import WorkerEnv
+from nemo_checkpointless.restart.recovery import GENERATION_KEY, generation_info_key, record_key
+from nemo_checkpointless.restart.worker_env import ENV_PREFIX, WorkerEnv
 
 WORKER_MODULE = "nemo_checkpointless.lightning.worker"
-POLL_S = 0.01
+POLL_S = 0.005
+# After the first death, how long to look for others before deciding: two replicas killed "at once" must be
+# handled as one fault, or the first recovery would pick a source that is about to disappear.
+GRACE_S = 0.1
 
 
 class LaunchError(RuntimeError):
@@ -39,6 +50,10 @@ def host_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:
     return store, port
 
 
+def spare_assign_key(spare_id: int) -> str:
+    return f"job/spare/{spare_id}/assign"
+
+
 def _tail(path: Path, lines: int = 25) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -46,59 +61,181 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
+@dataclass
+class _Proc:
+    popen: subprocess.Popen[bytes]
+    log: Path | None
+    out: IO[bytes] | None
+
+
+@dataclass
+class _Job:
+    cfg: Config
+    run_dir: Path
+    store: dist.TCPStore
+    port: int
+    worker_module: str
+    ranks: dict[int, _Proc] = field(default_factory=dict)
+    spares: dict[int, _Proc] = field(default_factory=dict)
+    pids: dict[int, list[int]] = field(default_factory=dict)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    next_spare: int = 0
+    generation: int = 0
+    refill: int = 0
+    seen_injections: set[int] = field(default_factory=set)
+
+    def _start(self, extra_env: dict[str, str], log_name: str | None) -> _Proc:
+        env = dict(os.environ)
+        threads = str(self.cfg.launcher.threads_per_rank)
+        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1", **extra_env)
+        out: IO[bytes] | None = None
+        log = None
+        if log_name is not None:
+            log = self.run_dir / "logs" / log_name
+            out = os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+        popen = subprocess.Popen([sys.executable, "-m", self.worker_module], env=env, stdout=out,
+                                 stderr=subprocess.STDOUT if out else None)
+        return _Proc(popen, log, out)
+
+    def _env(self, rank: int) -> dict[str, str]:
+        world = self.cfg.trainer.world_size
+        return WorkerEnv(rank, world, rank, self.cfg.launcher.host, self.port, str(self.run_dir)).to_environ()
+
+    def start_rank(self, rank: int, join_generation: int = 0) -> None:
+        env = self._env(rank)
+        if join_generation:
+            env[f"{ENV_PREFIX}JOIN_GENERATION"] = str(join_generation)
+        self.ranks[rank] = self._start(env, None if rank == 0 else f"rank_{rank}.{len(self.pids.get(rank, []))}.log")
+        self.pids.setdefault(rank, []).append(self.ranks[rank].popen.pid)
+
+    def start_spare(self) -> None:
+        env = self._env(0)
+        del env["RANK"], env["LOCAL_RANK"]
+        env[f"{ENV_PREFIX}SPARE_ID"] = str(self.next_spare)
+        self.spares[self.next_spare] = self._start(env, f"spare_{self.next_spare}.log")
+        self.next_spare += 1
+
+    def replace(self, failed: list[int], codes: dict[int, int | None]) -> None:
+        """Declare the current generation failed, give each failed rank a process, publish the next generation."""
+        t_seen = time.time()
+        self.generation += 1
+        if self.generation > self.cfg.launcher.max_restarts:
+            raise LaunchError(f"rank(s) {failed} failed; {self.generation - 1} recoveries already happened "
+                              f"(launcher.max_restarts={self.cfg.launcher.max_restarts}); giving up")
+        injected = self._injected(failed)
+        for rank in failed:
+            dead = self.ranks.pop(rank)
+            if dead.out is not None:
+                dead.out.close()
+            live = [k for k, p in self.spares.items() if p.popen.poll() is None]
+            if live:
+                spare_id = live[0]
+                proc = self.spares.pop(spare_id)
+                self.store.set(spare_assign_key(spare_id), json.dumps({"rank": rank, "generation": self.generation}))
+                self.ranks[rank] = proc
+                self.pids.setdefault(rank, []).append(proc.popen.pid)
+                self.refill += 1
+            else:
+                self.start_rank(rank, join_generation=self.generation)
+        fault_t = min([t_seen, *(i["t"] for i in injected.values())])
+        kinds = sorted({i["kind"] for i in injected.values()}) or ["crash"]
+        self.faults.append({"generation": self.generation, "failed_ranks": failed, "fault_kind": "+".join(kinds),
+                            "fault_t": fault_t, "exit_codes": {str(r): codes[r] for r in failed}})
+        self.store.set(generation_info_key(self.generation), json.dumps({"failed": failed, "fault_t": fault_t}))
+        self.store.set(GENERATION_KEY, str(self.generation))
+
+    def _injected(self, failed: list[int]) -> dict[int, dict[str, Any]]:
+        out = {}
+        for i, spec in enumerate(self.cfg.fault.plan):
+            key = f"job/fault/{i}/injected"
+            if spec.rank in failed and i not in self.seen_injections and self.store.check([key]):
+                self.seen_injections.add(i)
+                out[spec.rank] = json.loads(self.store.get(key))
+        return out
+
+    def recovery_done(self, generation: int) -> bool:
+        world = self.cfg.trainer.world_size
+        return all(self.store.check([record_key(generation, r) + "/first_step"]) for r in range(world))
+
+    def records(self) -> list[dict[str, Any]]:
+        out = []
+        world = self.cfg.trainer.world_size
+        for fault in self.faults:
+            g = fault["generation"]
+            recs = {r: json.loads(self.store.get(record_key(g, r))) for r in range(world)
+                    if self.store.check([record_key(g, r)])}
+            firsts = [json.loads(self.store.get(record_key(g, r) + "/first_step")) for r in range(world)
+                      if self.store.check([record_key(g, r) + "/first_step"])]
+            survivors = [r for r in recs.values() if r["role"] == "survivor"]
+            path = next((r["path"] for r in recs.values()), "unknown")
+            step = next((r["step"] for r in recs.values()), None)
+            completed = max((r["completed"] for r in survivors), default=step)
+            t0 = fault["fault_t"]
+            out.append({
+                "fault_kind": fault["fault_kind"],
+                "failed_ranks": fault["failed_ranks"],
+                "step": (completed + 1) if completed is not None else None,
+                "path": path,
+                "resumed_from_step": step,
+                "detect_s": round(max(r["detect_t"] for r in survivors) - t0, 4) if survivors else None,
+                "recover_s": round(max(f["t"] for f in firsts) - t0, 4) if len(firsts) == world else None,
+                "steps_lost": (completed - step) if completed is not None and step is not None else None,
+                "bytes_received": sum(r["bytes_received"] for r in recs.values()),
+                "reason": next((r["reason"] for r in recs.values()), ""),
+                "exit_codes": fault["exit_codes"],
+            })
+        return out
+
+
 def run_local(cfg: Config, run_dir: Path, worker_module: str = WORKER_MODULE) -> dict[str, Any]:
     """Run the job described by `run_dir/config.yaml` on `cfg.trainer.devices` local ranks; return the summary.
 
-    Rank 0 writes to this process's terminal; the others write to `run_dir/logs/rank_<r>.log`.
+    Rank 0 writes to this process's terminal; the others write to `run_dir/logs/rank_<r>.<n>.log`.
     """
     t0 = time.perf_counter()
-    world = cfg.trainer.world_size
     store, port = host_store(cfg.launcher.host, cfg.launcher.start_timeout_s)
-    log_dir = run_dir / "logs"
-    log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    procs: list[subprocess.Popen[bytes]] = []
-    logs: list[IO[bytes] | None] = []
-    base_env = dict(os.environ)
-    threads = str(cfg.launcher.threads_per_rank)
-    base_env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
+    (run_dir / "logs").mkdir(mode=0o700, parents=True, exist_ok=True)
+    job = _Job(cfg, run_dir, store, port, worker_module)
+    store.set(GENERATION_KEY, "0")
+    world = cfg.trainer.world_size
     try:
         for rank in range(world):
-            env = dict(base_env)
-            env.update(WorkerEnv(rank, world, rank, cfg.launcher.host, port, str(run_dir)).to_environ())
-            out: IO[bytes] | None = None
-            if rank != 0:
-                fd = os.open(log_dir / f"rank_{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                out = os.fdopen(fd, "wb")
-            logs.append(out)
-            procs.append(subprocess.Popen([sys.executable, "-m", worker_module], env=env, stdout=out,
-                                          stderr=subprocess.STDOUT if out else None))
-        pids = {str(r): [p.pid] for r, p in enumerate(procs)}
+            job.start_rank(rank)
+        for _ in range(cfg.replication.spares):
+            job.start_spare()
         while True:
-            codes = [p.poll() for p in procs]
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            codes = {r: p.popen.poll() for r, p in job.ranks.items()}
+            failed = [r for r, c in codes.items() if c not in (None, 0)]
             if failed:
-                store.set(FAULT_KEY, "0")  # unblock the survivors at once instead of at their collective timeout
-                rank = failed[0]
-                log = log_dir / f"rank_{rank}.log"
-                where = "above" if rank == 0 else f"in {log}:\n{_tail(log)}"
-                raise LaunchError(f"rank {rank} exited with code {codes[rank]}; its output is {where}")
-            if all(c == 0 for c in codes):
+                store.set(FAULT_KEY, str(job.generation))  # unblock the survivors' collectives at once
+                time.sleep(GRACE_S)
+                codes = {r: p.popen.poll() for r, p in job.ranks.items()}
+                failed = [r for r, c in codes.items() if c not in (None, 0)]
+                job.replace(failed, codes)
+                continue
+            if all(c == 0 for c in codes.values()):
                 break
+            if job.refill and job.recovery_done(job.generation):
+                for _ in range(job.refill):
+                    job.start_spare()
+                job.refill = 0
             time.sleep(POLL_S)
+    except LaunchError:
+        raise
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
-        for f in logs:
-            if f is not None:
-                f.close()
+        for p in [*job.ranks.values(), *job.spares.values()]:
+            if p.popen.poll() is None:
+                p.popen.kill()
+        for p in [*job.ranks.values(), *job.spares.values()]:
+            p.popen.wait()
+            if p.out is not None:
+                p.out.close()
     worker_summary = json.loads((run_dir / "worker_summary.json").read_text())
     summary: dict[str, Any] = {
         "recipe": cfg.recipe_name,
         "world_size": world,
         "num_instances": cfg.replication.num_instances,
+        "spares": cfg.replication.spares,
         "seed": cfg.seed,
         "final_step": worker_summary["final_step"],
         "wall_s": round(time.perf_counter() - t0, 3),
@@ -106,8 +243,8 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str = WORKER_MODULE) ->
         "steps_per_s": worker_summary["steps_per_s"],
         "state_sha256": worker_summary["state_sha256"],
         "data_sha256": worker_summary["data_sha256"],
-        "recoveries": [],
-        "pids": pids,
+        "recoveries": job.records(),
+        "pids": {str(r): pids for r, pids in sorted(job.pids.items())},
     }
     tmp = run_dir / ".summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2) + "\n")

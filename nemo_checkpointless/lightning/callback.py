@@ -1,9 +1,10 @@
-"""`CheckpointlessCallback`: records what a replacement needs at every step boundary and writes the run summary."""
+"""`CheckpointlessCallback`: step-boundary bookkeeping, fault injection, and the run summary."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -13,23 +14,35 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from nemo_checkpointless.config import FaultSpec
 from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy
 from nemo_checkpointless.state.hashing import batch_hash
 
 WORKER_SUMMARY = "worker_summary.json"
 
 
-class CheckpointlessCallback(Callback):
-    """Pairs with `CheckpointlessStrategy`. Hashes each batch a rank trains on; at the end, rank 0 writes
-    `run_dir/worker_summary.json` (final step, timings, state and data digests) for the launcher to merge.
+def injected_key(index: int) -> str:
+    return f"job/fault/{index}/injected"
 
-    `on_train_end` runs a collective over each optimizer instance: every rank calls it (Lightning does).
+
+class InjectedFault(RuntimeError):
+    """The `exception` fault of a fault plan."""
+
+
+class CheckpointlessCallback(Callback):
+    """Pairs with `CheckpointlessStrategy`.
+
+    Before every step it snapshots what a replacement needs (RNG, scheduler, data position; no copy of big
+    tensors), writes the persistent checkpoint when due, hashes the batch this rank trains on, and fires the
+    fault plan's faults (each once per job, even across replacements). At the end, rank 0 writes
+    `run_dir/worker_summary.json`; `on_train_end` runs a collective over each optimizer instance.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], fault_plan: list[FaultSpec] | None = None) -> None:
         self.run_dir = Path(run_dir)
+        self.fault_plan = list(fault_plan or [])
         self._t_start = 0.0
-        self._first_step_done = 0.0
+        self._start_step = 0
 
     def _strategy(self, trainer: pl.Trainer) -> CheckpointlessStrategy:
         if not isinstance(trainer.strategy, CheckpointlessStrategy):
@@ -41,12 +54,27 @@ class CheckpointlessCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._strategy(trainer)
         self._t_start = time.perf_counter()
+        self._start_step = trainer.global_step
+
+    def _maybe_fail(self, strategy: CheckpointlessStrategy, step: int) -> None:
+        store = strategy.membership.store
+        for i, spec in enumerate(self.fault_plan):
+            if spec.rank != strategy.global_rank or spec.step != step or store.check([injected_key(i)]):
+                continue
+            store.set(injected_key(i), json.dumps({"t": time.time(), "kind": spec.kind, "rank": spec.rank,
+                                                   "step": step}))
+            if spec.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise InjectedFault(f"injected fault: exception on rank {spec.rank} at step {step}")
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        strategy = self._strategy(trainer)
+        strategy.at_step_boundary()
+        self._maybe_fail(strategy, trainer.global_step + 1)
         tokens = batch if isinstance(batch, torch.Tensor) else batch[0]
-        self._strategy(trainer).record_batch_hash(batch_hash(tokens))
+        strategy.record_batch_hash(batch_hash(tokens))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -55,10 +83,11 @@ class CheckpointlessCallback(Callback):
         digest = strategy.full_state_digest()
         if trainer.global_rank != 0:
             return
+        steps = trainer.global_step - self._start_step
         summary = {
             "final_step": trainer.global_step,
             "train_s": round(train_s, 3),
-            "steps_per_s": round(trainer.global_step / train_s, 3) if train_s > 0 else None,
+            "steps_per_s": round(steps / train_s, 3) if train_s > 0 else None,
             "state_sha256": digest,
             "data_sha256": strategy.data_digest.hexdigest,
             "data_steps": strategy.data_digest.steps,

@@ -1,10 +1,20 @@
-"""A training rank: `python -m nemo_checkpointless.lightning.worker`, started by the launcher (never by hand)."""
+"""A training rank or a hot spare: `python -m nemo_checkpointless.lightning.worker`, started by the launcher.
+
+A spare imports everything and opens the data, then waits for the launcher to hand it a rank; it then joins as
+that rank's replacement. Every rank runs `fit` in a loop: a fallback to the persistent checkpoint leaves `fit`
+(`RestartFromCheckpoint`) and enters it again in the same process, from the checkpoint's step.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import sys
+import time
+import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -14,46 +24,122 @@ from lightning.pytorch.loggers import CSVLogger
 from nemo_checkpointless.config import Config, load_run_config
 from nemo_checkpointless.data.indexed import IndexedTokens
 from nemo_checkpointless.data.sampling import GlobalBatchPlan, RankBatchSampler, TokenSequences
+from nemo_checkpointless.launcher.local import spare_assign_key
 from nemo_checkpointless.lightning.callback import CheckpointlessCallback
 from nemo_checkpointless.lightning.module import LlamaLightningModule
-from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy
+from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy, JoinSpec, Session
 from nemo_checkpointless.models import LlamaConfig
-from nemo_checkpointless.restart import WorkerEnv
+from nemo_checkpointless.replication.checkpoint import CheckpointStore
+from nemo_checkpointless.restart import Membership, WorkerEnv
+from nemo_checkpointless.restart.groups import connect_store
+from nemo_checkpointless.restart.recovery import RecoveryEngine, RestartFromCheckpoint
+from nemo_checkpointless.restart.worker_env import ENV_PREFIX
+from nemo_checkpointless.topology import rank_info
 
 
-def build_trainer(cfg: Config, env: WorkerEnv) -> tuple[pl.Trainer, LlamaLightningModule, torch.utils.data.DataLoader]:
-    assert cfg.data.path is not None, "the launcher resolves data.path before starting workers"
-    torch.set_num_threads(cfg.launcher.threads_per_rank)
+class _PositionedSampler(RankBatchSampler):
+    """Reads its first step from the session's data position when iterated (set by a join or a restart)."""
+
+    def __init__(self, plan: GlobalBatchPlan, dp_rank: int, session: Session, end_step: int) -> None:
+        super().__init__(plan, dp_rank, 0, end_step)
+        self.session = session
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.start_step = self.session.position.step
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        return self.end_step - self.session.position.step
+
+
+def build_session(cfg: Config, env: WorkerEnv, store: torch.distributed.Store) -> Session:
+    membership = Membership(store, env.rank, env.world_size, env.store_host, cfg.launcher.collective_timeout_s)
+    dims = cfg.dims()
+    shards = dims.shard_size
+    ckpt_dir = cfg.checkpoint.dir or str(Path(env.run_dir) / "checkpoints")
+    checkpoints = CheckpointStore(ckpt_dir, shards) if cfg.checkpoint.every_n_steps else None
+    engine = RecoveryEngine(membership, dims, checkpoints, verify_checksum=cfg.replication.checksum)
+    return Session(env, membership, dims, engine, checkpoints, cfg.checkpoint.every_n_steps)
+
+
+def build_trainer(cfg: Config, session: Session, tokens: object, join: JoinSpec
+                  ) -> tuple[pl.Trainer, LlamaLightningModule, torch.utils.data.DataLoader]:
+    env = session.env
     # The same seed on every rank: every replica starts from the same parameters.
     pl.seed_everything(cfg.seed, workers=False, verbose=False)
-    dataset = TokenSequences(IndexedTokens(cfg.data.path).tokens, cfg.data.seq_len)
-    plan = GlobalBatchPlan(len(dataset), cfg.data.micro_batch_size, env.world_size, cfg.seed, cfg.data.shuffle)
+    dataset = TokenSequences(tokens, cfg.data.seq_len)  # type: ignore[arg-type]
+    dp_rank = rank_info(session.dims, env.rank).dp_rank
+    plan = GlobalBatchPlan(len(dataset), cfg.data.micro_batch_size, session.dims.dp, cfg.seed, cfg.data.shuffle)
     loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=RankBatchSampler(plan, env.rank, 0, cfg.trainer.max_steps), num_workers=0)
+        dataset, batch_sampler=_PositionedSampler(plan, dp_rank, session, cfg.trainer.max_steps), num_workers=0)
     module = LlamaLightningModule(LlamaConfig(**vars(cfg.model)), cfg.optim, cfg.trainer.max_steps)
-    strategy = CheckpointlessStrategy(num_instances=cfg.replication.num_instances, grad_clip=cfg.optim.grad_clip,
-                                      collective_timeout_s=cfg.launcher.collective_timeout_s, worker_env=env)
+    strategy = CheckpointlessStrategy(session, num_instances=cfg.replication.num_instances,
+                                      grad_clip=cfg.optim.grad_clip, join=join)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=cfg.trainer.max_steps,
-        callbacks=[CheckpointlessCallback(env.run_dir)],
-        logger=CSVLogger(env.run_dir, name="logs", version="metrics"),
+        callbacks=[CheckpointlessCallback(env.run_dir, cfg.fault.plan)],
+        logger=CSVLogger(env.run_dir, name="logs", version=f"metrics_rank{env.rank}") if env.rank == 0 else False,
         log_every_n_steps=cfg.trainer.log_every_n_steps, enable_checkpointing=False,
-        enable_progress_bar=cfg.trainer.progress_bar, enable_model_summary=env.rank == 0,
+        enable_progress_bar=cfg.trainer.progress_bar, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0)
     return trainer, module, loader
 
 
+def _wait_for_assignment(store: torch.distributed.Store, spare_id: int) -> dict[str, int]:
+    key = spare_assign_key(spare_id)
+    while not store.check([key]):
+        time.sleep(0.002)
+    return dict(json.loads(store.get(key)))
+
+
+def run() -> None:
+    environ = os.environ
+    host, port = environ[f"{ENV_PREFIX}STORE_HOST"], int(environ[f"{ENV_PREFIX}STORE_PORT"])
+    run_dir = environ[f"{ENV_PREFIX}RUN_DIR"]
+    cfg = load_run_config(Path(run_dir))
+    torch.set_num_threads(cfg.launcher.threads_per_rank)
+    assert cfg.data.path is not None, "the launcher resolves data.path before starting workers"
+    tokens = IndexedTokens(cfg.data.path).tokens
+    store = connect_store(host, port, cfg.launcher.start_timeout_s)
+    join = JoinSpec()
+    if f"{ENV_PREFIX}SPARE_ID" in environ:
+        assignment = _wait_for_assignment(store, int(environ[f"{ENV_PREFIX}SPARE_ID"]))
+        rank, world = assignment["rank"], int(environ["WORLD_SIZE"])
+        env = WorkerEnv(rank, world, rank, host, port, run_dir)
+        join = JoinSpec("replacement", assignment["generation"])
+    else:
+        env = WorkerEnv.from_environ()
+        if f"{ENV_PREFIX}JOIN_GENERATION" in environ:
+            join = JoinSpec("replacement", int(environ[f"{ENV_PREFIX}JOIN_GENERATION"]))
+    session = build_session(cfg, env, store)
+    if join.kind == "replacement":
+        # Anything this rank does before the join belongs to the generation it joins, not to generation 0.
+        session.membership.generation = join.generation - 1
+    while True:
+        trainer, module, loader = build_trainer(cfg, session, tokens, join)
+        try:
+            trainer.fit(module, train_dataloaders=loader)
+            return
+        except RestartFromCheckpoint as restart:
+            print(f"[rank {env.rank}] {restart}", flush=True)
+            join = JoinSpec("checkpoint", restart.generation, restart.decision.step)
+
+
 def main() -> int:
-    env = WorkerEnv.from_environ()
-    cfg = load_run_config(Path(env.run_dir))
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
-    trainer, module, loader = build_trainer(cfg, env)
-    trainer.fit(module, train_dataloaders=loader)
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    code = 0
+    try:
+        run()
+    except BaseException:  # the traceback goes to this rank's log; the launcher sees the exit code
+        traceback.print_exc()
+        code = 1
     # Skip interpreter teardown: retired gloo groups would join their threads; nothing is left to flush.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,9 @@ class ShardedOptimizer:
         self.grad_clip = grad_clip
         self.side_channel_numel = side_channel_numel
         self.completed_steps = 0
+        # How far the step in flight got: 0 before the gradient all-reduce completed, 1 after it, 2 after the
+        # shard update. The recovery protocol reads it: only phase 0 can be retried from a replica.
+        self.phase = 0
         if optimizer.state:
             raise ValueError("ShardedOptimizer must wrap a fresh optimizer (its state is not empty)")
         names = {id(p): n for n, p in module.named_parameters()}
@@ -96,7 +99,11 @@ class ShardedOptimizer:
 
     # ----------------------------------------------------------------------------------------------- a step
     def reduce_gradients(self, side_channel: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Phase 1+2 (collective over DP): average the gradients, clip them. Returns the summed side channel."""
+        """Phase 1+2 (collective over DP): average the gradients, clip them. Returns the summed side channel.
+
+        The parameters' own `.grad` are kept until the all-reduce succeeds, so a failed step can be retried with
+        the gradients this rank already computed.
+        """
         off = 0
         for g in self.groups:
             for (_, p), p_off in zip(g.params, g.offsets, strict=True):
@@ -105,7 +112,6 @@ class ShardedOptimizer:
                     view.zero_()
                 else:
                     view.copy_(p.grad.view(-1))
-                p.grad = None
             off += g.flat.numel()
         tail = self.flat_grad[off:]
         if side_channel is not None:
@@ -113,6 +119,9 @@ class ShardedOptimizer:
         else:
             tail.zero_()
         self._dp_group().all_reduce(self.flat_grad)
+        for p in self.parameters():
+            p.grad = None
+        self.phase = 1
         grads = self.flat_grad[:off]
         grads.div_(self.dp_size)
         if self.grad_clip > 0:
@@ -131,6 +140,7 @@ class ShardedOptimizer:
         self.optimizer.step()
         for g in self.groups:
             g.shard.grad = None
+        self.phase = 2
 
     def gather_params(self) -> None:
         """Phase 4 (collective over the instance): every rank gets the full updated parameters."""
@@ -142,10 +152,13 @@ class ShardedOptimizer:
             group.all_gather(outs, g.shard.detach().clone())
 
     def step(self, side_channel: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One whole step (all DP ranks call it). Retry-safe from phase 0 only."""
+        assert self.phase == 0, f"a step cannot be retried from phase {self.phase}"
         summed = self.reduce_gradients(side_channel)
         self.update_shard()
         self.gather_params()
         self.completed_steps += 1
+        self.phase = 0
         return summed
 
     # ------------------------------------------------------------------------------------------- state views

@@ -82,7 +82,16 @@ class Group:
 
     def _wait(self, work: dist.Work, what: str) -> None:
         done = threading.Event()
-        work.get_future().add_done_callback(lambda _: done.set())
+        try:
+            work.get_future().add_done_callback(lambda _: done.set())
+        except RuntimeError:
+            # gloo's send/recv work has neither a future nor a meaningful is_completed(): wait on it directly. A
+            # peer that dies mid-transfer closes its socket (an error at once); a hung one hits the timeout.
+            try:
+                work.wait(datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as e:
+                raise PeerFailure(f"{what}: {e}") from e
+            return
         deadline = time.monotonic() + self.timeout_s
         while not done.wait(POLL_S):
             if fault_generation(self.store) >= self.generation:

@@ -52,13 +52,13 @@ def unpack(buf: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise PackError(f"format {header.get('format')!r}, expected {FORMAT!r}")
     body = buf[8 + hlen :]
     out: dict[str, torch.Tensor] = {}
-    for e in header["tensors"]:
-        start, n = e["offset"], e["nbytes"]
-        if start + n > body.numel() or e["dtype"] not in _DTYPES:
-            raise PackError(f"tensor {e['name']} out of bounds or of unknown dtype")
+    for entry in header["tensors"]:
+        start, n, dtype = entry["offset"], entry["nbytes"], entry["dtype"]
+        if start + n > body.numel() or dtype not in _DTYPES:
+            raise PackError(f"tensor {entry['name']} out of bounds or of unknown dtype")
         raw = body[start : start + n].clone()
-        out[e["name"]] = raw.view(_DTYPES[e["dtype"]]).reshape(e["shape"]) if n else torch.empty(
-            e["shape"], dtype=_DTYPES[e["dtype"]])
+        out[entry["name"]] = (raw.view(_DTYPES[dtype]).reshape(entry["shape"]) if n
+                              else torch.empty(entry["shape"], dtype=_DTYPES[dtype]))
     return out, header["meta"]
 
 

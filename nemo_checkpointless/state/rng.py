@@ -12,7 +12,7 @@ import torch
 def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(JSON-able part, tensors) of every RNG a training step may draw from."""
     py_version, py_state, py_gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
     meta = {"python": [py_version, list(py_state), py_gauss],
             "numpy": [np_name, int(np_pos), int(np_has_gauss), float(np_gauss)]}
     tensors = {"rng.torch": torch.get_rng_state(),

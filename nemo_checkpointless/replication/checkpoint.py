@@ -1,0 +1,73 @@
+"""The persistent fallback checkpoint: used only when no live peer can restore the state.
+
+Layout: `DIR/step_<NNNNNNNN>/shard_<p>.bin` (a `state.packing` buffer: raw tensor bytes + JSON, no pickle) with
+`shard_<p>.json` beside it (size and sha256). Instance 0 writes it: the rank at shard position p writes shard p,
+and shard 0 also carries the full parameters. A step directory is usable only when every shard is present and
+verifies; `latest(max_step)` returns the newest such step, so a half-written or corrupt checkpoint is skipped.
+Files are private to the user (0600, directories 0700) and written under temporary names, then renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from nemo_checkpointless.state.packing import checksum, pack, unpack
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointStore:
+    def __init__(self, directory: str | os.PathLike[str], num_shards: int) -> None:
+        self.dir = Path(directory)
+        self.num_shards = num_shards
+
+    def _step_dir(self, step: int) -> Path:
+        return self.dir / f"step_{step:08d}"
+
+    def save_shard(self, step: int, shard: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Write shard `shard` of step `step` (one rank per shard calls this; no collective)."""
+        d = self._step_dir(step)
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        buf = pack(tensors, meta)
+        tmp = d / f".shard_{shard}.bin.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            buf.numpy().tofile(f)
+        tmp.replace(d / f"shard_{shard}.bin")
+        side = d / f".shard_{shard}.json.tmp"
+        fd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"step": step, "shard": shard, "nbytes": buf.numel(), "sha256": checksum(buf)}, f)
+        side.replace(d / f"shard_{shard}.json")
+
+    def _complete(self, step: int) -> bool:
+        d = self._step_dir(step)
+        return all((d / f"shard_{p}.json").exists() and (d / f"shard_{p}.bin").exists()
+                   for p in range(self.num_shards))
+
+    def steps(self) -> list[int]:
+        if not self.dir.is_dir():
+            return []
+        found = (_STEP_DIR.match(p.name) for p in self.dir.iterdir())
+        return sorted(int(m.group(1)) for m in found if m and self._complete(int(m.group(1))))
+
+    def latest(self, max_step: int) -> int:
+        """The newest complete checkpoint at or before `max_step`; 0 (the seeded initial state) if none."""
+        usable = [s for s in self.steps() if s <= max_step]
+        return usable[-1] if usable else 0
+
+    def load_shard(self, step: int, shard: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Read and verify one shard; raises ValueError on a size or checksum mismatch."""
+        d = self._step_dir(step)
+        side = json.loads((d / f"shard_{shard}.json").read_text())
+        buf = torch.from_numpy(np.fromfile(d / f"shard_{shard}.bin", dtype=np.uint8))
+        if buf.numel() != side["nbytes"] or checksum(buf) != side["sha256"]:
+            raise ValueError(f"checkpoint {d / f'shard_{shard}.bin'} does not match its checksum")
+        return unpack(buf)

@@ -1,0 +1,245 @@
+"""The recovery protocol: agree on where everyone is, then restore the replaced ranks from a live replica or,
+when no replica can help, everyone from the persistent checkpoint.
+
+Who calls what (generation g+1 has been published by the launcher; see `launcher.local`):
+- a survivor, on `PeerFailure` inside a step: `RecoveryEngine.recover(participant)`;
+- a replacement (hot spare or fresh process), before its first step: `RecoveryEngine.join(participant)`.
+Both then run the same collectives over the new generation's world group, in the same order:
+  1. all-gather one small report per rank: role, completed steps, phase of the step in flight, data digest;
+  2. every rank computes the same `Decision` from the reports (pure function `decide`);
+  3. p2p: each source sends its packed state (one header + one flat buffer) to the replacement it serves; the
+     replacement verifies the sha256 and loads it; 4. an all-reduce of "ok" flags: a bad checksum anywhere
+     turns the decision into a checkpoint fallback for everyone.
+A fault during these steps raises `PeerFailure` again; the engine moves to the next generation and starts over,
+at most `max_attempts` times in a row, then raises `RecoveryError` saying so.
+
+A p2p recovery requires every survivor to be at the same step boundary R (completed R steps, the gradient
+all-reduce of step R+1 not yet done on any rank) with the same data digest: a replica whose step disagrees is
+never used. Anything else (e.g. a crash in the middle of the parameter all-gather) goes to the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from nemo_checkpointless.errors import RecoveryError
+from nemo_checkpointless.replication.checkpoint import CheckpointStore
+from nemo_checkpointless.restart.groups import Membership, PeerFailure
+from nemo_checkpointless.state.packing import PackError, checksum, pack, unpack
+from nemo_checkpointless.topology import ParallelDims, plan_recovery, rank_info
+
+log = logging.getLogger(__name__)
+
+GENERATION_KEY = "job/generation"
+SURVIVOR, REPLACEMENT = 0, 1
+_REPORT = 5  # role, completed steps, phase, digest steps, digest prefix
+
+
+def generation_info_key(generation: int) -> str:
+    return f"job/gen/{generation}"
+
+
+def record_key(generation: int, rank: int) -> str:
+    return f"job/recovery/{generation}/{rank}"
+
+
+class Participant(Protocol):
+    """The training side, as the recovery engine sees it (the Lightning strategy, the NeMo adapter, ...)."""
+
+    def progress(self) -> tuple[int, int]:
+        """(completed steps, phase of the step in flight: 0 = its gradient all-reduce has not completed)."""
+        ...
+
+    def data_digest_hex(self) -> str: ...
+
+    def boundary_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What a replica sends: state at the last step boundary (params, own shard, step, scheduler, RNG, data)."""
+        ...
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Decision:
+    path: str  # "p2p" or "checkpoint"
+    step: int  # the step boundary every rank resumes from
+    replaced: tuple[int, ...]
+    sources: dict[int, int] = field(default_factory=dict)
+    reason: str = ""
+
+
+class RestartFromCheckpoint(Exception):  # a control-flow signal, not an error
+    """Raised out of the training step on a survivor: leave `fit`, reload step `step` from the checkpoint."""
+
+    def __init__(self, decision: Decision, generation: int) -> None:
+        super().__init__(f"restart from the checkpoint of step {decision.step}: {decision.reason}")
+        self.decision = decision
+        self.generation = generation
+
+
+def decide(dims: ParallelDims, reports: Sequence[Sequence[int]], checkpoints: CheckpointStore | None) -> Decision:
+    """The recovery decision from every rank's report (identical on every rank: a pure function)."""
+    replaced = tuple(r for r, rep in enumerate(reports) if rep[0] == REPLACEMENT)
+    survivors = [r for r, rep in enumerate(reports) if rep[0] == SURVIVOR]
+    if not survivors:
+        return _fallback(replaced, 0, checkpoints, "no rank survived")
+    step = max(reports[r][1] for r in survivors)
+    digest = {(reports[r][3], reports[r][4]) for r in survivors if reports[r][1] == step}
+    bad = [r for r in survivors if reports[r][1] != step or reports[r][2] != 0 or len(digest) != 1]
+    if bad:
+        return _fallback(replaced, min(reports[r][1] for r in survivors), checkpoints,
+                         f"survivors {bad} are not at the common step boundary {step} (a replica whose step "
+                         "disagrees is never used)")
+    plan = plan_recovery(dims, replaced)
+    if not plan.recoverable:
+        return _fallback(replaced, step, checkpoints, plan.reason)
+    return Decision("p2p", step, replaced, dict(plan.sources), "every lost shard has a live replica")
+
+
+def _fallback(replaced: tuple[int, ...], step: int, checkpoints: CheckpointStore | None, why: str) -> Decision:
+    at = checkpoints.latest(step) if checkpoints is not None else 0
+    return Decision("checkpoint", at, replaced, {}, why)
+
+
+class RecoveryEngine:
+    """Runs the protocol above for one rank. Holds nothing of Lightning; see `Participant`."""
+
+    def __init__(self, membership: Membership, dims: ParallelDims, checkpoints: CheckpointStore | None,
+                 max_attempts: int = 3, verify_checksum: bool = True) -> None:
+        self.membership = membership
+        self.dims = dims
+        self.checkpoints = checkpoints
+        self.max_attempts = max_attempts
+        self.verify_checksum = verify_checksum
+        self.shard_index = rank_info(dims, membership.rank).shard_index
+        self.bytes_received = 0
+
+    @property
+    def store(self) -> dist.Store:
+        return self.membership.store
+
+    def _next_generation(self, after: int) -> int:
+        """Block until the launcher publishes a generation newer than `after`; return the newest."""
+        deadline = time.monotonic() + self.membership.timeout_s
+        while True:
+            if self.store.check([GENERATION_KEY]):
+                current = int(self.store.get(GENERATION_KEY))
+                if current > after:
+                    return current
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"rank {self.membership.rank}: the launcher published no new generation within "
+                                    f"{self.membership.timeout_s:.0f} s of a failure (is the launcher alive?)")
+            time.sleep(0.002)
+
+    def recover(self, participant: Participant, failure: PeerFailure) -> Decision:
+        """Survivor side: called with the `PeerFailure` a collective raised. Returns a p2p decision (then retry the
+        step in flight) or raises `RestartFromCheckpoint`."""
+        t_detect = time.time()
+        log.warning("rank %d: %s; recovering", self.membership.rank, failure)
+        return self._run(participant, SURVIVOR, self.membership.generation, {"detect_t": t_detect})
+
+    def join(self, participant: Participant, generation: int) -> Decision:
+        """Replacement side: join `generation` (or a newer one) and receive state. Never raises
+        `RestartFromCheckpoint`: a replacement loads the checkpoint itself when the decision says so."""
+        return self._run(participant, REPLACEMENT, generation - 1, {})
+
+    def _run(self, participant: Participant, role: int, after: int, record: dict[str, Any]) -> Decision:
+        attempts = 0
+        while True:
+            generation = self._next_generation(after)
+            self.membership.advance(generation)
+            try:
+                decision = self._agree_and_transfer(participant, role)
+            except PeerFailure as e:
+                attempts += 1
+                log.warning("rank %d: recovery at generation %d failed (%s); attempt %d of %d",
+                            self.membership.rank, generation, e, attempts, self.max_attempts)
+                if attempts >= self.max_attempts:
+                    raise RecoveryError(f"rank {self.membership.rank}: {attempts} consecutive recovery attempts "
+                                        f"failed (limit {self.max_attempts}); last: {e}") from e
+                after = generation
+                continue
+            record.update(role="survivor" if role == SURVIVOR else "replacement", path=decision.path,
+                          completed=participant.progress()[0] if role == SURVIVOR else None,
+                          step=decision.step, replaced=list(decision.replaced), decided_t=time.time(),
+                          bytes_received=self.bytes_received, reason=decision.reason)
+            self.store.set(record_key(generation, self.membership.rank), json.dumps(record))
+            if role == SURVIVOR and decision.path == "checkpoint":
+                raise RestartFromCheckpoint(decision, generation)
+            return decision
+
+    def _agree_and_transfer(self, participant: Participant, role: int) -> Decision:
+        world = self.membership.world()
+        done, phase = participant.progress() if role == SURVIVOR else (-1, 0)
+        digest = participant.data_digest_hex() if role == SURVIVOR else "0" * 64
+        steps = done
+        mine = torch.tensor([role, done, phase, steps, int(digest[:15], 16)], dtype=torch.int64)
+        reports = [torch.empty(_REPORT, dtype=torch.int64) for _ in range(world.size)]
+        world.all_gather(reports, mine)
+        decision = decide(self.dims, [r.tolist() for r in reports], self.checkpoints)
+        ok = True
+        self.bytes_received = 0
+        if decision.path == "p2p":
+            ok = self._transfer(participant, decision)
+        flags = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        world.all_reduce(flags)
+        if int(flags[0]) and decision.path == "p2p":
+            bad = _fallback(decision.replaced, decision.step, self.checkpoints,
+                            "a transfer failed its checksum; falling back")
+            decision = bad
+        if decision.path == "checkpoint" and role == REPLACEMENT:
+            self.load_checkpoint(participant, decision.step)
+        return decision
+
+    def _transfer(self, participant: Participant, decision: Decision) -> bool:
+        """Sources send, replacements receive and verify. Returns False on a checksum or format failure."""
+        world, me = self.membership.world(), self.membership.rank
+        ok = True
+        for dst in sorted(decision.sources):
+            src = decision.sources[dst]
+            if me == src:
+                tensors, meta = participant.boundary_state()
+                buf = pack(tensors, meta)
+                digest = bytes.fromhex(checksum(buf))
+                header = torch.tensor([buf.numel(), *(int.from_bytes(digest[i : i + 8], "little", signed=True)
+                                                      for i in range(0, 32, 8))], dtype=torch.int64)
+                world.send(header, dst, tag=1)
+                world.send(buf, dst, tag=2)
+            elif me == dst:
+                header = torch.empty(5, dtype=torch.int64)
+                world.recv(header, src, tag=1)
+                buf = torch.empty(int(header[0]), dtype=torch.uint8)
+                world.recv(buf, src, tag=2)
+                self.bytes_received = buf.numel()
+                expected = b"".join(int(v).to_bytes(8, "little", signed=True) for v in header[1:].tolist())
+                if self.verify_checksum and bytes.fromhex(checksum(buf)) != expected:
+                    log.error("rank %d: state from rank %d failed its checksum", me, src)
+                    ok = False
+                    continue
+                try:
+                    tensors, meta = unpack(buf)
+                except PackError as e:
+                    log.error("rank %d: state from rank %d is malformed: %s", me, src, e)
+                    ok = False
+                    continue
+                participant.load_state(tensors, meta)
+        return ok
+
+    def load_checkpoint(self, participant: Participant, step: int) -> None:
+        """Load this rank's shard of checkpoint `step` (0: nothing to load, the seeded initial state stands)."""
+        if step == 0:
+            return
+        assert self.checkpoints is not None
+        tensors, meta = self.checkpoints.load_shard(step, self.shard_index)
+        if self.shard_index != 0:
+            params, _ = self.checkpoints.load_shard(step, 0)
+            tensors.update({k: v for k, v in params.items() if k.startswith("param.")})
+        participant.load_state(tensors, meta)
