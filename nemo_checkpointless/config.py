@@ -180,12 +180,18 @@ class LauncherConfig:
     start_timeout_s: float = 300.0
     threads_per_rank: int = 1
     max_restarts: int = 10
+    # recover: keep healthy ranks, replace the failed ones (this project). restart_all: kill every rank and
+    # restart the whole job from the persistent checkpoint (what jobs do today; the benchmark's baseline).
+    on_failure: str = "recover"
 
     def __post_init__(self) -> None:
         if not self.collective_timeout_s > 0:
             raise ConfigError("launcher.collective_timeout_s", self.collective_timeout_s, "must be > 0", "use e.g. 30")
         _positive("launcher.threads_per_rank", self.threads_per_rank)
         _non_negative("launcher.max_restarts", self.max_restarts)
+        if self.on_failure not in ("recover", "restart_all"):
+            raise ConfigError("launcher.on_failure", self.on_failure, "must be recover or restart_all",
+                              "use recover (replace only failed ranks) or restart_all (the whole job)")
 
 
 @dataclass

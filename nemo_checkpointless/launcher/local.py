@@ -54,6 +54,10 @@ def spare_assign_key(spare_id: int) -> str:
     return f"job/spare/{spare_id}/assign"
 
 
+def spare_ready_key(spare_id: int) -> str:
+    return f"job/spare/{spare_id}/ready"
+
+
 def _tail(path: Path, lines: int = 25) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -101,10 +105,10 @@ class _Job:
         world = self.cfg.trainer.world_size
         return WorkerEnv(rank, world, rank, self.cfg.launcher.host, self.port, str(self.run_dir)).to_environ()
 
-    def start_rank(self, rank: int, join_generation: int = 0) -> None:
+    def start_rank(self, rank: int, join_generation: int = 0, restart: bool = False) -> None:
         env = self._env(rank)
         if join_generation:
-            env[f"{ENV_PREFIX}JOIN_GENERATION"] = str(join_generation)
+            env[f"{ENV_PREFIX}{'RESTART' if restart else 'JOIN'}_GENERATION"] = str(join_generation)
         self.ranks[rank] = self._start(env, None if rank == 0 else f"rank_{rank}.{len(self.pids.get(rank, []))}.log")
         self.pids.setdefault(rank, []).append(self.ranks[rank].popen.pid)
 
@@ -123,11 +127,25 @@ class _Job:
             raise LaunchError(f"rank(s) {failed} failed; {self.generation - 1} recoveries already happened "
                               f"(launcher.max_restarts={self.cfg.launcher.max_restarts}); giving up")
         injected = self._injected(failed)
-        for rank in failed:
+        restart_all = self.cfg.launcher.on_failure == "restart_all"
+        if restart_all:
+            # The baseline: stop every process, as a job restart does, and start the whole job again.
+            for p in [*self.ranks.values(), *self.spares.values()]:
+                if p.popen.poll() is None:
+                    p.popen.kill()
+            for p in [*self.ranks.values(), *self.spares.values()]:
+                p.popen.wait()
+            self.spares.clear()
+        for rank in list(self.ranks) if restart_all else failed:
             dead = self.ranks.pop(rank)
             if dead.out is not None:
                 dead.out.close()
+            if restart_all:
+                self.start_rank(rank, join_generation=self.generation, restart=True)
+                continue
             live = [k for k, p in self.spares.items() if p.popen.poll() is None]
+            # A spare that finished its imports first; one still starting is still ahead of a cold start.
+            live.sort(key=lambda k: not self.store.check([spare_ready_key(k)]))
             if live:
                 spare_id = live[0]
                 proc = self.spares.pop(spare_id)
@@ -139,9 +157,14 @@ class _Job:
                 self.start_rank(rank, join_generation=self.generation)
         fault_t = min([t_seen, *(i["t"] for i in injected.values())])
         kinds = sorted({i["kind"] for i in injected.values()}) or ["crash"]
+        # The step the fault interrupted, when known (an injected fault says it): ranks stamp when they are
+        # back there, which is how a recovery and a whole-job restart are compared.
+        target = min((i["step"] for i in injected.values()), default=None)
         self.faults.append({"generation": self.generation, "failed_ranks": failed, "fault_kind": "+".join(kinds),
-                            "fault_t": fault_t, "exit_codes": {str(r): codes[r] for r in failed}})
-        self.store.set(generation_info_key(self.generation), json.dumps({"failed": failed, "fault_t": fault_t}))
+                            "fault_t": fault_t, "exit_codes": {str(r): codes[r] for r in failed},
+                            "target_step": target, "restart_all": restart_all})
+        self.store.set(generation_info_key(self.generation),
+                       json.dumps({"failed": failed, "fault_t": fault_t, "target_step": target}))
         self.store.set(GENERATION_KEY, str(self.generation))
 
     def _injected(self, failed: list[int]) -> dict[int, dict[str, Any]]:
@@ -157,6 +180,10 @@ class _Job:
         world = self.cfg.trainer.world_size
         return all(self.store.check([record_key(generation, r) + "/first_step"]) for r in range(world))
 
+    def _stamps(self, generation: int, kind: str) -> list[dict[str, Any]]:
+        keys = [record_key(generation, r) + f"/{kind}" for r in range(self.cfg.trainer.world_size)]
+        return [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
+
     def records(self) -> list[dict[str, Any]]:
         out = []
         world = self.cfg.trainer.world_size
@@ -164,22 +191,32 @@ class _Job:
             g = fault["generation"]
             recs = {r: json.loads(self.store.get(record_key(g, r))) for r in range(world)
                     if self.store.check([record_key(g, r)])}
-            firsts = [json.loads(self.store.get(record_key(g, r) + "/first_step")) for r in range(world)
-                      if self.store.check([record_key(g, r) + "/first_step"])]
+            stamps = {kind: self._stamps(g, kind) for kind in ("first_step", "caught_up")}
             survivors = [r for r in recs.values() if r["role"] == "survivor"]
-            path = next((r["path"] for r in recs.values()), "unknown")
-            step = next((r["step"] for r in recs.values()), None)
-            completed = max((r["completed"] for r in survivors), default=step)
+            if fault["restart_all"]:
+                path, step = "restart", stamps["first_step"][0]["step"] - 1 if stamps["first_step"] else None
+            else:
+                path = next((r["path"] for r in recs.values()), "unknown")
+                step = next((r["step"] for r in recs.values()), None)
+            in_flight = fault["target_step"]
+            completed = max((r["completed"] for r in survivors), default=None)
+            if in_flight is None and completed is not None:
+                in_flight = completed + 1
             t0 = fault["fault_t"]
+
+            def elapsed(ts: list[dict[str, Any]], t0: float = t0) -> float | None:
+                return round(max(s["t"] for s in ts) - t0, 4) if len(ts) == world else None
+
             out.append({
                 "fault_kind": fault["fault_kind"],
                 "failed_ranks": fault["failed_ranks"],
-                "step": (completed + 1) if completed is not None else None,
+                "step": in_flight,
                 "path": path,
                 "resumed_from_step": step,
                 "detect_s": round(max(r["detect_t"] for r in survivors) - t0, 4) if survivors else None,
-                "recover_s": round(max(f["t"] for f in firsts) - t0, 4) if len(firsts) == world else None,
-                "steps_lost": (completed - step) if completed is not None and step is not None else None,
+                "recover_s": elapsed(stamps["first_step"]),
+                "back_at_fault_step_s": elapsed(stamps["caught_up"]),
+                "steps_lost": (in_flight - 1 - step) if in_flight is not None and step is not None else None,
                 "bytes_received": sum(r["bytes_received"] for r in recs.values()),
                 "reason": next((r["reason"] for r in recs.values()), ""),
                 "exit_codes": fault["exit_codes"],
@@ -231,6 +268,8 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str = WORKER_MODULE) ->
             if p.out is not None:
                 p.out.close()
     worker_summary = json.loads((run_dir / "worker_summary.json").read_text())
+    # From the first training step of the job to the end, across every recovery (not one process's view).
+    train_s = round(worker_summary["train_end_t"] - json.loads(store.get("job/train_start")), 3)
     summary: dict[str, Any] = {
         "recipe": cfg.recipe_name,
         "world_size": world,
@@ -239,8 +278,8 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str = WORKER_MODULE) ->
         "seed": cfg.seed,
         "final_step": worker_summary["final_step"],
         "wall_s": round(time.perf_counter() - t0, 3),
-        "train_s": worker_summary["train_s"],
-        "steps_per_s": worker_summary["steps_per_s"],
+        "train_s": train_s,
+        "steps_per_s": round(worker_summary["final_step"] / train_s, 3) if train_s > 0 else None,
         "state_sha256": worker_summary["state_sha256"],
         "data_sha256": worker_summary["data_sha256"],
         "recoveries": job.records(),

@@ -19,6 +19,7 @@ from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy
 from nemo_checkpointless.state.hashing import batch_hash
 
 WORKER_SUMMARY = "worker_summary.json"
+TRAIN_START_KEY = "job/train_start"
 
 
 def injected_key(index: int) -> str:
@@ -55,6 +56,9 @@ class CheckpointlessCallback(Callback):
         self._strategy(trainer)
         self._t_start = time.perf_counter()
         self._start_step = trainer.global_step
+        store = self._strategy(trainer).membership.store
+        if trainer.global_rank == 0 and not store.check([TRAIN_START_KEY]):
+            store.set(TRAIN_START_KEY, json.dumps(time.time()))
 
     def _maybe_fail(self, strategy: CheckpointlessStrategy, step: int) -> None:
         store = strategy.membership.store
@@ -91,6 +95,7 @@ class CheckpointlessCallback(Callback):
             "state_sha256": digest,
             "data_sha256": strategy.data_digest.hexdigest,
             "data_steps": strategy.data_digest.steps,
+            "train_end_t": time.time(),
         }
         self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.run_dir / f".{WORKER_SUMMARY}.tmp"

@@ -24,7 +24,7 @@ from typing_extensions import override
 from nemo_checkpointless.replication import ShardedOptimizer
 from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart import Membership, PeerFailure, WorkerEnv
-from nemo_checkpointless.restart.recovery import Decision, RecoveryEngine, record_key
+from nemo_checkpointless.restart.recovery import Decision, RecoveryEngine, generation_info_key, record_key
 from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
 from nemo_checkpointless.state.rng import capture_rng, restore_rng
 from nemo_checkpointless.topology import ParallelDims, rank_info
@@ -60,7 +60,29 @@ class Session:
     checkpoints: CheckpointStore | None
     checkpoint_every: int = 0
     position: DataPosition = field(default_factory=DataPosition)
-    pending_records: list[int] = field(default_factory=list)  # generations whose first good step is not yet stamped
+    # Recoveries whose timing is not complete yet: generation -> {"first": stamped?}. A rank stamps the first
+    # step it completes after a recovery, and the step at which it is back where the fault interrupted it.
+    pending_records: dict[int, dict[str, bool]] = field(default_factory=dict)
+
+    def track(self, generation: int) -> None:
+        self.pending_records.setdefault(generation, {"first": False})
+
+    def stamp(self, completed_steps: int) -> None:
+        """Called after every completed step: write the recovery timings the launcher turns into records."""
+        if not self.pending_records:
+            return
+        store, now = self.membership.store, time.time()
+        for generation in list(self.pending_records):
+            key = record_key(generation, self.env.rank)
+            entry = json.dumps({"t": now, "step": completed_steps})
+            if not self.pending_records[generation]["first"]:
+                store.set(key + "/first_step", entry)
+                self.pending_records[generation]["first"] = True
+            info = json.loads(store.get(generation_info_key(generation)))
+            target = info.get("target_step")
+            if target is None or completed_steps >= target:
+                store.set(key + "/caught_up", entry)
+                del self.pending_records[generation]
 
 
 class CheckpointlessStrategy(ParallelStrategy):
@@ -131,11 +153,11 @@ class CheckpointlessStrategy(ParallelStrategy):
         if self.join.kind == "replacement":
             decision = self.session.engine.join(self, self.join.generation)
             self.decisions.append(decision)
-            self.session.pending_records.append(self.membership.generation)
+            self.session.track(self.membership.generation)
             step = decision.step
         elif self.join.kind == "checkpoint":
             self.session.engine.load_checkpoint(self, self.join.step)
-            self.session.pending_records.append(self.join.generation)
+            self.session.track(self.join.generation)
             step = self.join.step
         else:
             step = 0
@@ -190,17 +212,12 @@ class CheckpointlessStrategy(ParallelStrategy):
                 # Raises RestartFromCheckpoint when peers cannot help; otherwise retry this step's collectives
                 # with the gradients this rank already holds.
                 self.decisions.append(self.session.engine.recover(self, failure))
-                self.session.pending_records.append(self.membership.generation)
+                self.session.track(self.membership.generation)
         assert summed is not None
         self.data_digest.update(decode_hashes(summed))
         self._pending_batch_hash = None
         self._in_step = False
-        if self.session.pending_records:
-            now = time.time()
-            for generation in self.session.pending_records:
-                key = record_key(generation, self.global_rank) + "/first_step"
-                self.membership.store.set(key, json.dumps({"t": now, "step": self.sharded.completed_steps}))
-            self.session.pending_records.clear()
+        self.session.stamp(self.sharded.completed_steps)
         return result
 
     # ------------------------------------------------------------------------- the recovery engine's view

@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import CSVLogger
 from nemo_checkpointless.config import Config, load_run_config
 from nemo_checkpointless.data.indexed import IndexedTokens
 from nemo_checkpointless.data.sampling import GlobalBatchPlan, RankBatchSampler, TokenSequences
-from nemo_checkpointless.launcher.local import spare_assign_key
+from nemo_checkpointless.launcher.local import spare_assign_key, spare_ready_key
 from nemo_checkpointless.lightning.callback import CheckpointlessCallback
 from nemo_checkpointless.lightning.module import LlamaLightningModule
 from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy, JoinSpec, Session
@@ -103,7 +103,9 @@ def run() -> None:
     store = connect_store(host, port, cfg.launcher.start_timeout_s)
     join = JoinSpec()
     if f"{ENV_PREFIX}SPARE_ID" in environ:
-        assignment = _wait_for_assignment(store, int(environ[f"{ENV_PREFIX}SPARE_ID"]))
+        spare_id = int(environ[f"{ENV_PREFIX}SPARE_ID"])
+        store.set(spare_ready_key(spare_id), "1")
+        assignment = _wait_for_assignment(store, spare_id)
         rank, world = assignment["rank"], int(environ["WORLD_SIZE"])
         env = WorkerEnv(rank, world, rank, host, port, run_dir)
         join = JoinSpec("replacement", assignment["generation"])
@@ -115,6 +117,12 @@ def run() -> None:
     if join.kind == "replacement":
         # Anything this rank does before the join belongs to the generation it joins, not to generation 0.
         session.membership.generation = join.generation - 1
+    elif f"{ENV_PREFIX}RESTART_GENERATION" in environ:
+        # A whole-job restart (launcher.on_failure=restart_all): every rank reloads the newest checkpoint.
+        generation = int(environ[f"{ENV_PREFIX}RESTART_GENERATION"])
+        step = session.checkpoints.latest(cfg.trainer.max_steps) if session.checkpoints is not None else 0
+        session.membership.generation = generation
+        join = JoinSpec("checkpoint", generation, step)
     while True:
         trainer, module, loader = build_trainer(cfg, session, tokens, join)
         try:

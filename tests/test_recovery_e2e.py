@@ -1,0 +1,104 @@
+"""Recovery end to end: real processes, real SIGKILLs and exceptions, compared against a fault-free run.
+
+Every faulted run must end with the same `state_sha256` (params + optimizer state) and `data_sha256` (the
+sequence of global batches) as the fault-free run with the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+STEPS = 24
+COMMON = [f"trainer.max_steps={STEPS}", "trainer.progress_bar=false", "checkpoint.every_n_steps=5",
+          "launcher.collective_timeout_s=15", "model.n_layers=1", "data.seq_len=64", "data.micro_batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("recovery")
+
+
+def run_job(workdir: Path, name: str, *overrides: str) -> dict[str, Any]:
+    run_dir = workdir / name
+    cmd = [sys.executable, "-m", "nemo_checkpointless.cli.train", *COMMON, f"data.cache_dir={workdir / 'data'}",
+           f"run.dir={run_dir}", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
+                     for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:] + logs
+    summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_step"] == STEPS
+    return summary
+
+
+@pytest.fixture(scope="module")
+def reference(workdir: Path) -> dict[str, Any]:
+    summary = run_job(workdir, "reference")
+    assert summary["recoveries"] == []
+    return summary
+
+
+def assert_equal_to(reference: dict[str, Any], summary: dict[str, Any]) -> None:
+    assert summary["state_sha256"] == reference["state_sha256"], json.dumps(summary["recoveries"], indent=1)
+    assert summary["data_sha256"] == reference["data_sha256"], json.dumps(summary["recoveries"], indent=1)
+
+
+def assert_healthy_kept_pids(summary: dict[str, Any]) -> None:
+    failed = {r for rec in summary["recoveries"] for r in rec["failed_ranks"]}
+    for rank, pids in summary["pids"].items():
+        if int(rank) not in failed:
+            assert len(pids) == 1, f"healthy rank {rank} changed process: {pids}"
+
+
+def test_kill_every_rank_in_turn_recovers_p2p_from_a_replica(workdir: Path, reference: dict[str, Any]) -> None:
+    """4 ranks, N=2, one hot spare (refilled): ranks 0, 1, 2, 3 are SIGKILLed at steps 4, 9, 14, 19."""
+    plan = ",".join(f"{{kind:kill,rank:{r},step:{s}}}" for r, s in ((0, 4), (1, 9), (2, 14), (3, 19)))
+    summary = run_job(workdir, "kill-each", "replication.num_instances=2", "replication.spares=1",
+                      f"fault.plan=[{plan}]")
+    assert_equal_to(reference, summary)
+    recs = summary["recoveries"]
+    assert [r["failed_ranks"] for r in recs] == [[0], [1], [2], [3]]
+    assert [r["step"] for r in recs] == [4, 9, 14, 19]
+    for rec in recs:
+        assert rec["fault_kind"] == "kill" and rec["path"] == "p2p", rec
+        assert rec["steps_lost"] == 0 and rec["bytes_received"] > 0, rec
+        assert 0 < rec["recover_s"] < 30, rec
+    for rank in range(4):
+        assert len(summary["pids"][str(rank)]) == 2  # each rank replaced exactly once, the others kept theirs
+
+
+def test_both_replicas_lost_falls_back_to_checkpoint_then_exception_recovers_p2p(
+        workdir: Path, reference: dict[str, Any]) -> None:
+    """Ranks 1 and 3 hold the same shard (N=2): killing both at once leaves no replica -> checkpoint of step 10.
+    Later an exception in rank 0's step recovers like a kill, from a replica."""
+    summary = run_job(workdir, "both-replicas", "replication.num_instances=2", "replication.spares=2",
+                      "fault.plan=[{kind:kill,rank:1,step:12},{kind:kill,rank:3,step:12},"
+                      "{kind:exception,rank:0,step:18}]")
+    assert_equal_to(reference, summary)
+    first, second = summary["recoveries"]
+    assert sorted(first["failed_ranks"]) == [1, 3] and first["path"] == "checkpoint", first
+    assert first["resumed_from_step"] == 10 and first["steps_lost"] == 1, first
+    assert "both replicas" in first["reason"]
+    assert second["failed_ranks"] == [0] and second["fault_kind"] == "exception", second
+    assert second["path"] == "p2p" and second["steps_lost"] == 0, second
+    assert_healthy_kept_pids(summary)
+
+
+def test_single_instance_falls_back_to_checkpoint_with_a_cold_replacement(
+        workdir: Path, reference: dict[str, Any]) -> None:
+    """N=1 keeps no replica: a kill falls back to the checkpoint; with no spare the launcher starts a process."""
+    summary = run_job(workdir, "n1-cold", "replication.num_instances=1", "replication.spares=0",
+                      "fault.plan=[{kind:kill,rank:2,step:8}]")
+    assert_equal_to(reference, summary)
+    (rec,) = summary["recoveries"]
+    assert rec["path"] == "checkpoint" and rec["resumed_from_step"] == 5 and rec["steps_lost"] == 2, rec
+    assert "no replica" in rec["reason"] or "replica" in rec["reason"], rec
+    assert_healthy_kept_pids(summary)
