@@ -136,6 +136,7 @@ class _Job:
             for p in [*self.ranks.values(), *self.spares.values()]:
                 p.popen.wait()
             self.spares.clear()
+        how: dict[int, str] = {}
         for rank in list(self.ranks) if restart_all else failed:
             dead = self.ranks.pop(rank)
             if dead.out is not None:
@@ -148,12 +149,14 @@ class _Job:
             live.sort(key=lambda k: not self.store.check([spare_ready_key(k)]))
             if live:
                 spare_id = live[0]
+                how[rank] = "warm spare" if self.store.check([spare_ready_key(spare_id)]) else "starting spare"
                 proc = self.spares.pop(spare_id)
                 self.store.set(spare_assign_key(spare_id), json.dumps({"rank": rank, "generation": self.generation}))
                 self.ranks[rank] = proc
                 self.pids.setdefault(rank, []).append(proc.popen.pid)
                 self.refill += 1
             else:
+                how[rank] = "cold start"
                 self.start_rank(rank, join_generation=self.generation)
         fault_t = min([t_seen, *(i["t"] for i in injected.values())])
         kinds = sorted({i["kind"] for i in injected.values()}) or ["crash"]
@@ -162,7 +165,8 @@ class _Job:
         target = min((i["step"] for i in injected.values()), default=None)
         self.faults.append({"generation": self.generation, "failed_ranks": failed, "fault_kind": "+".join(kinds),
                             "fault_t": fault_t, "exit_codes": {str(r): codes[r] for r in failed},
-                            "target_step": target, "restart_all": restart_all})
+                            "target_step": target, "restart_all": restart_all,
+                            "replacement": {str(r): how.get(r, "whole-job restart") for r in failed}})
         self.store.set(generation_info_key(self.generation),
                        json.dumps({"failed": failed, "fault_t": fault_t, "target_step": target}))
         self.store.set(GENERATION_KEY, str(self.generation))
@@ -214,12 +218,14 @@ class _Job:
                 "path": path,
                 "resumed_from_step": step,
                 "detect_s": round(max(r["detect_t"] for r in survivors) - t0, 4) if survivors else None,
+                "state_restored_s": round(max(r["decided_t"] for r in recs.values()) - t0, 4) if recs else None,
                 "recover_s": elapsed(stamps["first_step"]),
                 "back_at_fault_step_s": elapsed(stamps["caught_up"]),
                 "steps_lost": (in_flight - 1 - step) if in_flight is not None and step is not None else None,
                 "bytes_received": sum(r["bytes_received"] for r in recs.values()),
                 "reason": next((r["reason"] for r in recs.values()), ""),
                 "exit_codes": fault["exit_codes"],
+                "replacement": fault["replacement"],
             })
         return out
 

@@ -7,11 +7,11 @@ that rank's replacement. Every rank runs `fit` in a loop: a fallback to the pers
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
 import sys
-import time
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -87,9 +87,12 @@ def build_trainer(cfg: Config, session: Session, tokens: object, join: JoinSpec
 
 def _wait_for_assignment(store: torch.distributed.Store, spare_id: int) -> dict[str, int]:
     key = spare_assign_key(spare_id)
-    while not store.check([key]):
-        time.sleep(0.002)
-    return dict(json.loads(store.get(key)))
+    while True:
+        try:
+            store.wait([key], datetime.timedelta(seconds=60))  # blocks in the store server: no polling load
+            return dict(json.loads(store.get(key)))
+        except RuntimeError:  # a timeout: a spare may wait for hours
+            continue
 
 
 def run() -> None:

@@ -56,7 +56,9 @@ class ShardedOptimizer:
         grad_clip: float = 0.0,
         side_channel_numel: int = 0,
     ) -> None:
-        assert dp_size % num_instances == 0, (dp_size, num_instances)
+        if num_instances < 1 or dp_size % num_instances:
+            raise ValueError(f"replication.num_instances={num_instances}: must divide the data-parallel size "
+                             f"{dp_size}; choose a divisor of {dp_size}")
         self.optimizer = optimizer
         self.dp_size = dp_size
         self.shard_size = dp_size // num_instances

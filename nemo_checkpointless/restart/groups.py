@@ -4,7 +4,9 @@ Why not `torch.distributed.init_process_group`: the default group is global stat
 collective is stuck in it, and its store lives on rank 0. Here every group is a `ProcessGroupGloo` object built
 from a `PrefixStore` over the store that the launcher hosts (never a training rank), under a prefix that names the
 generation; after a failure the survivors simply build the next generation's groups. The broken groups are kept
-referenced (`Membership.retired`): destroying a gloo group with a stuck collective would block until its timeout.
+referenced (`Membership.retired`): destroying a gloo group with a stuck collective blocks until its timeout, and
+at interpreter exit it can abort the process (a gloo IoException, then terminate). A process that retired groups
+must therefore leave with `os._exit` (the worker does).
 
 Failure news: on gloo only the dead rank's ring neighbours see a crash, and `abort()` does not unblock a stuck
 collective. So every wait here polls the launcher's store for the job's fault key between short waits on the

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Recovery benchmark: checkpointless p2p recovery vs. a whole-job restart from the persistent checkpoint.
+
+Everything is measured in one invocation, on the same job (tiny Llama, 4 CPU ranks, N=2, checkpoint every 10
+steps), with the same fault plan (K SIGKILLs, GAP steps apart, on rotating ranks):
+
+  reference    fault-free run with replication, a hot spare and checkpoints (steps/s; the digests to match)
+  plain        fault-free run with N=1, no spare, no checkpoint (the fault-free cost of being ready)
+  p2p          launcher.on_failure=recover: healthy ranks stay, the failed one is replaced from a replica
+  restart      launcher.on_failure=restart_all: every rank restarts from the newest checkpoint (today's practice)
+
+For each fault: `recover_s` (fault -> first completed step after recovery) and `back_at_fault_step_s` (fault ->
+the step the fault interrupted is completed). Ratios are restart / p2p of the medians. Figures go to stdout and to
+the JSON file given by --out.
+
+    python scripts/bench_recovery.py --kills 5 --out runs/bench/recovery.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+GAP = 40  # steps between kills: time for the refilled spare to finish its imports on 2 busy cores
+
+
+def run(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "nemo_checkpointless.cli.train", "trainer.progress_bar=false",
+           f"run.dir={run_dir}", *overrides]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"bench: {' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    summary["bench_wall_s"] = round(time.perf_counter() - t0, 2)
+    return summary
+
+
+def median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return round(statistics.median(vals), 3) if vals else None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--dir", default="runs/bench")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    base = Path(args.dir).absolute()
+    steps = GAP * args.kills + 10
+    faults = [(15 + GAP * i, (1 + i) % 4) for i in range(args.kills)]
+    plan = "[" + ",".join(f"{{kind:kill,rank:{r},step:{s}}}" for s, r in faults) + "]"
+    common = [f"trainer.max_steps={steps}", "checkpoint.every_n_steps=10", "replication.num_instances=2",
+              "replication.spares=1"]
+    results = {
+        "reference": run(base / "reference", common),
+        "plain": run(base / "plain", [f"trainer.max_steps={steps}", "replication.num_instances=1",
+                                      "replication.spares=0", "checkpoint.every_n_steps=0"]),
+        "p2p": run(base / "p2p", [*common, f"fault.plan={plan}"]),
+        "restart": run(base / "restart", [*common, f"fault.plan={plan}", "launcher.on_failure=restart_all"]),
+    }
+    ref = results["reference"]
+    report: dict[str, Any] = {"job": {"steps": steps, "faults": faults, "world_size": ref["world_size"]}, "runs": {}}
+    for name, s in results.items():
+        recs = s["recoveries"]
+        report["runs"][name] = {
+            "steps_per_s": s["steps_per_s"],
+            "wall_s": s["wall_s"],
+            "equal_to_reference": s["state_sha256"] == ref["state_sha256"] and s["data_sha256"] == ref["data_sha256"],
+            "paths": [r["path"] for r in recs],
+            "recover_s": [r["recover_s"] for r in recs],
+            "back_at_fault_step_s": [r["back_at_fault_step_s"] for r in recs],
+            "detect_s": [r["detect_s"] for r in recs],
+            "steps_lost": [r["steps_lost"] for r in recs],
+            "median_recover_s": median([r["recover_s"] for r in recs]),
+            "median_back_at_fault_step_s": median([r["back_at_fault_step_s"] for r in recs]),
+        }
+    p2p, restart = report["runs"]["p2p"], report["runs"]["restart"]
+    ratio = {}
+    for key in ("median_recover_s", "median_back_at_fault_step_s"):
+        if p2p[key] and restart[key]:
+            ratio[key] = round(restart[key] / p2p[key], 1)
+    report["restart_over_p2p"] = ratio
+    report["fault_free_overhead"] = round(results["plain"]["steps_per_s"] / ref["steps_per_s"] - 1, 3)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""Pure parts of recovery: the decision, the packed state format, the fallback checkpoint store."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_checkpointless.replication.checkpoint import CheckpointStore
+from nemo_checkpointless.restart.recovery import REPLACEMENT, SURVIVOR, decide
+from nemo_checkpointless.state.packing import PackError, checksum, pack, unpack
+from nemo_checkpointless.topology import ParallelDims
+
+DIMS = ParallelDims(world_size=4, num_instances=2)
+
+
+def report(role: int, step: int, phase: int = 0, digest: int = 7) -> list[int]:
+    return [role, step, phase, step, digest]
+
+
+def test_p2p_when_every_lost_shard_has_a_live_replica() -> None:
+    d = decide(DIMS, [report(SURVIVOR, 11), report(REPLACEMENT, -1), report(SURVIVOR, 11), report(SURVIVOR, 11)],
+               None)
+    assert d.path == "p2p" and d.step == 11 and d.replaced == (1,) and d.sources == {1: 3}
+
+
+def test_both_replicas_lost_falls_back(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, num_shards=2)
+    for shard in range(2):
+        store.save_shard(10, shard, {"x": torch.ones(2)}, {"step": 10})
+    d = decide(DIMS, [report(SURVIVOR, 11), report(REPLACEMENT, -1), report(SURVIVOR, 11),
+                      report(REPLACEMENT, -1)], store)
+    assert d.path == "checkpoint" and d.step == 10 and "both replicas" in d.reason
+
+
+@pytest.mark.parametrize(
+    "reports",
+    [
+        # a survivor one step behind: its step disagrees, it must not be used
+        [report(SURVIVOR, 11), report(REPLACEMENT, -1), report(SURVIVOR, 10), report(SURVIVOR, 11)],
+        # a survivor past the gradient all-reduce of the step in flight
+        [report(SURVIVOR, 11), report(REPLACEMENT, -1), report(SURVIVOR, 11, phase=2), report(SURVIVOR, 11)],
+        # same step, different data digest
+        [report(SURVIVOR, 11), report(REPLACEMENT, -1), report(SURVIVOR, 11, digest=8), report(SURVIVOR, 11)],
+    ],
+)
+def test_disagreeing_replicas_are_never_used(reports: list[list[int]]) -> None:
+    d = decide(DIMS, reports, None)
+    assert d.path == "checkpoint" and d.step == 0 and "disagrees" in d.reason
+
+
+def test_single_instance_has_no_replica() -> None:
+    dims = ParallelDims(world_size=4, num_instances=1)
+    d = decide(dims, [report(SURVIVOR, 5), report(SURVIVOR, 5), report(REPLACEMENT, -1), report(SURVIVOR, 5)], None)
+    assert d.path == "checkpoint"
+
+
+def test_no_survivor_restarts_from_checkpoint() -> None:
+    d = decide(DIMS, [report(REPLACEMENT, -1)] * 4, None)
+    assert d.path == "checkpoint" and d.step == 0
+
+
+def test_pack_round_trip_and_corruption() -> None:
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7), "s": torch.tensor(2.5), "e": torch.empty(0, 3)}
+    buf = pack(tensors, {"step": 3, "nested": {"k": [1, 2]}})
+    out, meta = unpack(buf)
+    assert meta == {"step": 3, "nested": {"k": [1, 2]}}
+    for k, v in tensors.items():
+        assert torch.equal(out[k], v) and out[k].dtype == v.dtype
+    bad = buf.clone()
+    bad[3] = 255  # header length
+    with pytest.raises(PackError):
+        unpack(bad)
+    with pytest.raises(PackError):
+        unpack(buf[: buf.numel() // 2])
+    flipped = buf.clone()
+    flipped[-1] ^= 1
+    assert checksum(flipped) != checksum(buf)
+
+
+def test_checkpoint_store_skips_incomplete_and_detects_corruption(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "ckpt", num_shards=2)
+    assert store.latest(100) == 0
+    for shard in range(2):
+        store.save_shard(5, shard, {"x": torch.full((4,), float(shard))}, {"step": 5})
+    store.save_shard(10, 0, {"x": torch.zeros(4)}, {"step": 10})  # shard 1 of step 10 never written
+    assert store.steps() == [5] and store.latest(100) == 5 and store.latest(4) == 0
+    tensors, meta = store.load_shard(5, 1)
+    assert meta == {"step": 5} and torch.equal(tensors["x"], torch.ones(4))
+    path = tmp_path / "ckpt" / "step_00000005" / "shard_1.bin"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum"):
+        store.load_shard(5, 1)
