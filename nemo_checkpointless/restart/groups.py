@@ -68,11 +68,26 @@ class Group:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
         opts._timeout = datetime.timedelta(seconds=self.timeout_s)
         prefix = f"gen{self.generation}/{self.name}/{','.join(map(str, self.ranks))}"
+        self._arrive(prefix)
         try:
             store = dist.PrefixStore(prefix, self.store)
             self.pg = dist.ProcessGroupGloo(store, self.group_rank, len(self.ranks), opts)
         except RuntimeError as e:  # a member died before connecting
             raise PeerFailure(f"forming group {self.name} of generation {self.generation}: {e}") from e
+
+    def _arrive(self, prefix: str) -> None:
+        """Wait until every member is here, watching the fault key: gloo's own connect would block for the whole
+        timeout if a member died before joining (e.g. a second failure during a recovery)."""
+        key = f"{prefix}/arrived"
+        self.store.add(key, 1)
+        deadline = time.monotonic() + self.timeout_s
+        while self.store.add(key, 0) < len(self.ranks):
+            if fault_generation(self.store) >= self.generation:
+                raise PeerFailure(f"forming group {self.name}: the launcher reported a failed rank "
+                                  f"(generation {self.generation})")
+            if time.monotonic() > deadline:
+                raise PeerFailure(f"forming group {self.name}: not every member arrived within {self.timeout_s:.0f} s")
+            time.sleep(0.001)
 
     @property
     def group_rank(self) -> int:
