@@ -24,15 +24,16 @@ from typing import IO, Any
 import torch.distributed as dist
 
 from nemo_checkpointless.config import Config
+from nemo_checkpointless.data.cache import JOB_ID_KEY, new_job_id, remove_job_cache
 from nemo_checkpointless.restart.groups import FAULT_KEY
 from nemo_checkpointless.restart.recovery import GENERATION_KEY, generation_info_key, record_key
 from nemo_checkpointless.restart.worker_env import ENV_PREFIX, WorkerEnv
 
 WORKER_MODULE = "nemo_checkpointless.lightning.worker"
 POLL_S = 0.005
-# After the first death, how long to look for others before deciding: two replicas killed "at once" must be
-# handled as one fault, or the first recovery would pick a source that is about to disappear.
-GRACE_S = 0.1
+# After the first death, how long to look for others before deciding. Deaths further apart are handled too: the
+# later one interrupts the recovery in progress, which restarts at the next generation with both replaced.
+GRACE_S = 0.01
 
 
 class LaunchError(RuntimeError):
@@ -191,10 +192,26 @@ class _Job:
     def records(self) -> list[dict[str, Any]]:
         out = []
         world = self.cfg.trainer.world_size
+        superseded: list[dict[str, Any]] = []
         for fault in self.faults:
             g = fault["generation"]
             recs = {r: json.loads(self.store.get(record_key(g, r))) for r in range(world)
                     if self.store.check([record_key(g, r)])}
+            if not recs and not fault["restart_all"] and fault is not self.faults[-1]:
+                # A later failure interrupted this recovery; the next generation recovered both: one record.
+                superseded.append(fault)
+                continue
+            if superseded:
+                fault = {**fault,
+                         "failed_ranks": sorted({r for f in [*superseded, fault] for r in f["failed_ranks"]}),
+                         "fault_t": min(f["fault_t"] for f in [*superseded, fault]),
+                         "fault_kind": "+".join(sorted({k for f in [*superseded, fault]
+                                                        for k in f["fault_kind"].split("+")})),
+                         "exit_codes": {k: v for f in [*superseded, fault] for k, v in f["exit_codes"].items()},
+                         "replacement": {k: v for f in [*superseded, fault] for k, v in f["replacement"].items()},
+                         "target_step": min((f["target_step"] for f in [*superseded, fault]
+                                             if f["target_step"] is not None), default=None)}
+                superseded = []
             stamps = {kind: self._stamps(g, kind) for kind in ("first_step", "caught_up")}
             survivors = [r for r in recs.values() if r["role"] == "survivor"]
             if fault["restart_all"]:
@@ -240,6 +257,8 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str = WORKER_MODULE) ->
     (run_dir / "logs").mkdir(mode=0o700, parents=True, exist_ok=True)
     job = _Job(cfg, run_dir, store, port, worker_module)
     store.set(GENERATION_KEY, "0")
+    job_id = new_job_id()  # names the job's batch cache (data.loader=mmap); removed below when the job ends
+    store.set(JOB_ID_KEY, job_id)
     world = cfg.trainer.world_size
     try:
         for rank in range(world):
@@ -273,6 +292,7 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str = WORKER_MODULE) ->
             p.popen.wait()
             if p.out is not None:
                 p.out.close()
+        remove_job_cache(cfg.data.cache_root, job_id)  # every rank has exited: nobody reads it any more
     worker_summary = json.loads((run_dir / "worker_summary.json").read_text())
     # From the first training step of the job to the end, across every recovery (not one process's view).
     train_s = round(worker_summary["train_end_t"] - json.loads(store.get("job/train_start")), 3)
