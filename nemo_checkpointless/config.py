@@ -12,7 +12,9 @@ from typing import Any
 
 from nemo_checkpointless.errors import ConfigError
 
-FAULT_KINDS = ("kill", "exception")
+FAULT_KINDS = ("kill", "exception", "corrupt")
+ENGINES = ("lightning", "nemo")
+PRECISIONS = ("32-true", "bf16-mixed")
 
 
 def _positive(key: str, value: int | float, fix: str = "use a value >= 1") -> None:
@@ -56,7 +58,14 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Token data: `path` is a PREFIX of PREFIX.bin + PREFIX.idx; None means the embedded default corpus."""
+    """Token data: `path` is a PREFIX of PREFIX.bin + PREFIX.idx; None means the embedded default corpus.
+
+    `loader`: `mmap` (tier 2: a prefetch thread per batch group keeps the next `prefetch` batches and the last
+    `lookback` ones in a private shared-memory cache under `cache_root`, default /dev/shm; a replacement rank reads
+    the batch it must train on from there) or `plain` (a `DataLoader` that reads the dataset each step).
+    `verify`: check before each step that the batch is the one the plan assigns to it (exactly once, no skip).
+    `cache_dir` is where the embedded default corpus is built, not the batch cache.
+    """
 
     path: str | None = None
     seq_len: int = 128
@@ -64,11 +73,26 @@ class DataConfig:
     shuffle: bool = True
     cache_dir: str | None = None
     default_corpus_bytes: int = 4_000_000
+    loader: str = "mmap"
+    prefetch: int = 16
+    lookback: int = 4
+    cache_root: str | None = None
+    verify: bool = True
 
     def __post_init__(self) -> None:
         _positive("data.seq_len", self.seq_len)
         _positive("data.micro_batch_size", self.micro_batch_size)
         _positive("data.default_corpus_bytes", self.default_corpus_bytes)
+        if self.loader not in ("mmap", "plain"):
+            raise ConfigError("data.loader", self.loader, "must be mmap or plain",
+                              "use mmap (shared-memory batch cache) or plain (read the dataset each step)")
+        _non_negative("data.prefetch", self.prefetch)
+        # Lightning fetches one batch ahead of the step it trains: the batch in flight is 1 behind the loader.
+        _positive("data.lookback", self.lookback,
+                  "use >= 1 so the batch in flight stays cached for a replacement (default 4)")
+        if self.cache_root is not None and not self.cache_root.startswith("/"):
+            raise ConfigError("data.cache_root", self.cache_root, "must be an absolute path",
+                              "use e.g. /dev/shm, or leave it unset")
 
 
 @dataclass
@@ -107,14 +131,23 @@ class TrainerConfig:
     max_steps: int = 200
     log_every_n_steps: int = 10
     progress_bar: bool = True
+    # Micro-batches per optimizer step: global batch = data.micro_batch_size x DP x accumulate_grad_batches.
+    accumulate_grad_batches: int = 1
+    # Lightning's names: 32-true (fp32 params, grads, Adam state) or bf16-mixed (Megatron: bf16 params,
+    # fp32 main grads, fp32 master params + Adam state in the distributed optimizer).
+    precision: str = "32-true"
 
     def __post_init__(self) -> None:
         _positive("trainer.devices", self.devices)
         _positive("trainer.num_nodes", self.num_nodes)
         _positive("trainer.max_steps", self.max_steps)
         _positive("trainer.log_every_n_steps", self.log_every_n_steps)
+        _positive("trainer.accumulate_grad_batches", self.accumulate_grad_batches)
         if self.accelerator not in ("cpu", "gpu"):
             raise ConfigError("trainer.accelerator", self.accelerator, "must be cpu or gpu", "pick one of the two")
+        if self.precision not in PRECISIONS:
+            raise ConfigError("trainer.precision", self.precision, f"must be one of {', '.join(PRECISIONS)}",
+                              "use 32-true on CPU, bf16-mixed for the NeMo recipes on GPUs")
 
     @property
     def world_size(self) -> int:
@@ -130,6 +163,8 @@ class ParallelConfig:
     ep: int = 1
     pp: int = 1
     order: str = "tp-cp-ep-dp-pp"
+    # Megatron's sequence parallelism (shards norm/dropout activations over tp); only used when tp > 1.
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -159,7 +194,9 @@ class CheckpointConfig:
 
 @dataclass
 class FaultSpec:
-    """One injected fault: `kind` (kill | exception) on `rank` when it starts step `step`."""
+    """One injected fault on `rank` when it starts step `step`: `kill` (SIGKILL), `exception` (raised in the step),
+    or `corrupt` (from then on, the next state this rank sends to a replacement has a flipped byte after its
+    checksum was taken: the receiver must detect it and the job fall back to the checkpoint)."""
 
     kind: str = "kill"
     rank: int = 0
@@ -204,6 +241,9 @@ class Config:
     """The whole job. `recipe_name` is set by the recipe file chosen with `recipe=NAME`."""
 
     recipe_name: str = "custom"
+    # lightning: the built-in plain-Lightning path (CPU, data-parallel). nemo: NeMo 2 / megatron-core (TP, PP,
+    # CP on GPUs; needs the [nemo] extra).
+    engine: str = "lightning"
     seed: int = 1234
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -217,11 +257,15 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError("engine", self.engine, f"must be one of {', '.join(ENGINES)}",
+                              "use lightning (plain PyTorch Lightning) or nemo (NeMo 2 / megatron-core)")
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError("data.seq_len", self.data.seq_len,
                               f"must be <= model.max_seq_len={self.model.max_seq_len}",
                               "lower data.seq_len or raise model.max_seq_len")
         self.dims()
+        self._check_model_split()
         world = self.trainer.world_size
         for i, spec in enumerate(self.fault.plan):
             if spec.kind not in FAULT_KINDS:
@@ -236,12 +280,45 @@ class Config:
                                   "pick a step the run reaches")
 
     def dims(self) -> Any:
-        """The parallel layout (`topology.ParallelDims`); validates divisibility rules."""
+        """The parallel layout (`topology.ParallelDims`); validates divisibility rules, naming the cluster size."""
+        import math
+
         from nemo_checkpointless.topology import ParallelDims
 
-        return ParallelDims(world_size=self.trainer.world_size, tp=self.parallel.tp, cp=self.parallel.cp,
-                            ep=self.parallel.ep, pp=self.parallel.pp, num_instances=self.replication.num_instances,
-                            order=self.parallel.order)
+        t, p = self.trainer, self.parallel
+        where = f"{t.num_nodes} node{'s' if t.num_nodes > 1 else ''} x {t.devices} devices"
+        try:
+            return ParallelDims(world_size=t.world_size, tp=p.tp, cp=p.cp, ep=p.ep, pp=p.pp,
+                                num_instances=self.replication.num_instances, order=p.order)
+        except ConfigError as e:
+            if e.key == "world_size":
+                model = p.tp * p.cp * p.pp
+                step = model // math.gcd(model, t.devices)
+                nodes = ", ".join(str(step * k) for k in (1, 2, 3))
+                raise ConfigError("trainer.num_nodes", t.num_nodes,
+                                  f"gives {where} = {t.world_size} ranks, not a multiple of tp*cp*pp = {model} "
+                                  f"(tp={p.tp}, cp={p.cp}, pp={p.pp})",
+                                  f"use trainer.num_nodes={nodes}, ... or change parallel.tp/cp/pp") from None
+            if e.key == "replication.num_instances":
+                raise ConfigError(e.key, e.value, f"{e.rule} at {where} with tp*cp*pp = {p.tp * p.cp * p.pp}",
+                                  e.fix) from None
+            raise
+
+    def _check_model_split(self) -> None:
+        """Megatron's rules for splitting the model over tp and pp (checked here so they fail before launch)."""
+        m, p = self.model, self.parallel
+        for key in ("n_heads", "n_kv_heads", "ffn_hidden"):
+            if getattr(m, key) % p.tp:
+                raise ConfigError(f"model.{key}", getattr(m, key), f"must be divisible by parallel.tp={p.tp}",
+                                  "choose a parallel.tp that divides model.n_heads, model.n_kv_heads and "
+                                  "model.ffn_hidden")
+        if m.n_layers % p.pp:
+            raise ConfigError("parallel.pp", p.pp, f"must divide model.n_layers={m.n_layers}",
+                              f"choose a divisor of {m.n_layers}")
+        if p.cp > 1 and self.data.seq_len % (2 * p.cp):
+            raise ConfigError("data.seq_len", self.data.seq_len,
+                              f"must be a multiple of 2 x parallel.cp = {2 * p.cp} (context parallelism)",
+                              "change data.seq_len or parallel.cp")
 
 
 def register_configs() -> None:

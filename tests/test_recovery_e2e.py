@@ -94,6 +94,18 @@ def test_both_replicas_lost_falls_back_to_checkpoint_then_exception_recovers_p2p
     assert_healthy_kept_pids(summary)
 
 
+def test_a_transfer_that_fails_its_checksum_falls_back_to_checkpoint(
+        workdir: Path, reference: dict[str, Any]) -> None:
+    """Rank 3 (rank 1's replica) damages the state it sends; the replacement's sha256 check catches it."""
+    summary = run_job(workdir, "corrupt", "replication.num_instances=2", "replication.spares=1",
+                      "fault.plan=[{kind:corrupt,rank:3,step:2},{kind:kill,rank:1,step:13}]")
+    assert_equal_to(reference, summary)
+    (rec,) = summary["recoveries"]
+    assert rec["failed_ranks"] == [1] and rec["path"] == "checkpoint", rec
+    assert "checksum" in rec["reason"] and rec["resumed_from_step"] == 10 and rec["steps_lost"] == 2, rec
+    assert_healthy_kept_pids(summary)
+
+
 def test_single_instance_falls_back_to_checkpoint_with_a_cold_replacement(
         workdir: Path, reference: dict[str, Any]) -> None:
     """N=1 keeps no replica: a kill falls back to the checkpoint; with no spare the launcher starts a process."""

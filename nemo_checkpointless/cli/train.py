@@ -25,6 +25,7 @@ Common overrides:
   trainer.devices=K                  local ranks (CPU processes)
   run.dir=PATH                       where logs, config and summary.json go
   replication.num_instances=N        replicated optimizer instances (must divide the data-parallel size)
+  trainer.num_nodes=N                nodes (engine=nemo recipes; size them with checkpointless-plan)
   seed=S                             random seed
   data.path=PREFIX                   token data PREFIX.bin + PREFIX.idx (see checkpointless-tokenize)
   --cfg                              print the composed config and exit
@@ -54,6 +55,28 @@ def prepare_data(cfg: Config) -> Config:
     return replace(cfg, data=replace(cfg.data, path=tokens.prefix))
 
 
+def check_engine(cfg: Config) -> None:
+    """engine=nemo recipes (Megatron TP/PP/CP, usually on GPUs) are validated like any recipe, then stop here:
+    this command launches the plain-Lightning engine only."""
+    if cfg.engine != "nemo":
+        return
+    import importlib.util
+
+    import torch
+
+    t = cfg.trainer
+    gpu = t.accelerator == "gpu"
+    where = f"{t.num_nodes} node(s) x {t.devices} GPUs" if gpu else f"{t.devices} CPU ranks"
+    missing = [m for m, bad in (("no CUDA GPU", gpu and not torch.cuda.is_available()),
+                                ("no [nemo] extra: pip install -e '.[nemo]'", importlib.util.find_spec("nemo") is None))
+               if bad]
+    here = f" (this machine: {'; '.join(missing)})" if missing else ""
+    raise ConfigError("engine", "nemo", f"recipe={cfg.recipe_name} needs the NeMo engine on {where}{here}, which "
+                      "checkpointless-train does not launch",
+                      f"size it with: checkpointless-plan recipe={cfg.recipe_name} trainer.num_nodes={t.num_nodes}; "
+                      "train here with recipe=tiny_llama_cpu (docs/getting_started.md)")
+
+
 def check_lightning_path(cfg: Config) -> None:
     p = cfg.parallel
     if (p.tp, p.cp, p.pp, p.ep) != (1, 1, 1, 1):
@@ -63,6 +86,12 @@ def check_lightning_path(cfg: Config) -> None:
     if cfg.trainer.num_nodes != 1:
         raise ConfigError("trainer.num_nodes", cfg.trainer.num_nodes, "the local launcher runs on one machine",
                           "use trainer.num_nodes=1 here; generate cluster launch files for more nodes")
+    t = cfg.trainer
+    for key, value, ok in (("trainer.accelerator", t.accelerator, "cpu"), ("trainer.precision", t.precision, "32-true"),
+                           ("trainer.accumulate_grad_batches", t.accumulate_grad_batches, 1)):
+        if value != ok:
+            raise ConfigError(key, value, f"the plain-Lightning path supports only {key}={ok}",
+                              f"use {key}={ok}, or a NeMo recipe (engine=nemo)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             return 0
+        check_engine(cfg)
         check_lightning_path(cfg)
         cfg = prepare_data(cfg)
     except ConfigError as e:

@@ -293,21 +293,28 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str = WORKER_MODULE) ->
             if p.out is not None:
                 p.out.close()
         remove_job_cache(cfg.data.cache_root, job_id)  # every rank has exited: nobody reads it any more
-    worker_summary = json.loads((run_dir / "worker_summary.json").read_text())
-    # From the first training step of the job to the end, across every recovery (not one process's view).
-    train_s = round(worker_summary["train_end_t"] - json.loads(store.get("job/train_start")), 3)
+    # What rank 0's CheckpointlessCallback reports; a worker without the callback (tier 1: the launcher alone)
+    # reports nothing, and the summary says only what the launcher saw.
+    path = run_dir / "worker_summary.json"
+    worker_summary: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    wall_s = round(time.perf_counter() - t0, 3)
+    train_s: float | None = None
+    if "train_end_t" in worker_summary and store.check(["job/train_start"]):
+        # From the first training step of the job to the end, across every recovery (not one process's view).
+        train_s = round(worker_summary["train_end_t"] - json.loads(store.get("job/train_start")), 3)
+    final_step = worker_summary.get("final_step")
     summary: dict[str, Any] = {
         "recipe": cfg.recipe_name,
         "world_size": world,
         "num_instances": cfg.replication.num_instances,
         "spares": cfg.replication.spares,
         "seed": cfg.seed,
-        "final_step": worker_summary["final_step"],
-        "wall_s": round(time.perf_counter() - t0, 3),
+        "final_step": final_step,
+        "wall_s": wall_s,
         "train_s": train_s,
-        "steps_per_s": round(worker_summary["final_step"] / train_s, 3) if train_s > 0 else None,
-        "state_sha256": worker_summary["state_sha256"],
-        "data_sha256": worker_summary["data_sha256"],
+        "steps_per_s": round(final_step / train_s, 3) if final_step and train_s else None,
+        "state_sha256": worker_summary.get("state_sha256"),
+        "data_sha256": worker_summary.get("data_sha256"),
         "recoveries": job.records(),
         "pids": {str(r): pids for r, pids in sorted(job.pids.items())},
     }

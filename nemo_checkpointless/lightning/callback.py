@@ -69,6 +69,9 @@ class CheckpointlessCallback(Callback):
                                                    "step": step}))
             if spec.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if spec.kind == "corrupt":
+                strategy.session.engine.corrupt_next_send = True
+                continue
             raise InjectedFault(f"injected fault: exception on rank {spec.rank} at step {step}")
 
     @override

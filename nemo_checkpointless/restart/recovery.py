@@ -121,6 +121,8 @@ class RecoveryEngine:
         self.verify_checksum = verify_checksum
         self.shard_index = rank_info(dims, membership.rank).shard_index
         self.bytes_received = 0
+        # Fault injection (fault.plan kind=corrupt): damage the next state sent, after its checksum is taken.
+        self.corrupt_next_send = False
 
     @property
     def store(self) -> dist.Store:
@@ -209,6 +211,9 @@ class RecoveryEngine:
                 tensors, meta = participant.boundary_state()
                 buf = pack(tensors, meta)
                 digest = bytes.fromhex(checksum(buf))
+                if self.corrupt_next_send:
+                    buf[buf.numel() // 2] ^= 0x10
+                    self.corrupt_next_send = False
                 header = torch.tensor([buf.numel(), *(int.from_bytes(digest[i : i + 8], "little", signed=True)
                                                       for i in range(0, 32, 8))], dtype=torch.int64)
                 world.send(header, dst, tag=1)
