@@ -57,7 +57,9 @@ def prepare_data(cfg: Config) -> Config:
 
 def check_engine(cfg: Config) -> None:
     """engine=nemo recipes (Megatron TP/PP/CP, usually on GPUs) are validated like any recipe, then stop here:
-    this command launches the plain-Lightning engine only."""
+    this command launches the plain-Lightning engine only. In a NeMo 2 script of one's own,
+    `nemo_checkpointless.nemo.CheckpointlessMegatronStrategy` gives N optimizer instances and the recovery adapter
+    (in-process replacement of a killed rank is not built for NeMo yet: docs/design.md, "NeMo path")."""
     if cfg.engine != "nemo":
         return
     import importlib.util
@@ -72,7 +74,8 @@ def check_engine(cfg: Config) -> None:
                if bad]
     here = f" (this machine: {'; '.join(missing)})" if missing else ""
     raise ConfigError("engine", "nemo", f"recipe={cfg.recipe_name} needs the NeMo engine on {where}{here}, which "
-                      "checkpointless-train does not launch",
+                      "checkpointless-train does not launch (in your own NeMo script, use "
+                      "nemo_checkpointless.nemo.CheckpointlessMegatronStrategy)",
                       f"size it with: checkpointless-plan recipe={cfg.recipe_name} trainer.num_nodes={t.num_nodes}; "
                       "train here with recipe=tiny_llama_cpu (docs/getting_started.md)")
 

@@ -1,0 +1,25 @@
+"""NeMo 2 / megatron-core integration.
+
+`MegatronParticipant` (the recovery engine's view of Megatron's distributed-optimizer shards) needs megatron-core
+only. `CheckpointlessMegatronStrategy` subclasses NeMo's `MegatronStrategy`, so it is imported on first use: the
+package imports without the [nemo] extra.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from nemo_checkpointless.nemo.adapter import MegatronParticipant, distributed_optimizers
+
+if TYPE_CHECKING:
+    from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
+
+__all__ = ["CheckpointlessMegatronStrategy", "MegatronParticipant", "distributed_optimizers"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CheckpointlessMegatronStrategy":
+        from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
+
+        return CheckpointlessMegatronStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
