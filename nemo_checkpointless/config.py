@@ -12,7 +12,7 @@ from typing import Any
 
 from nemo_checkpointless.errors import ConfigError
 
-FAULT_KINDS = ("kill", "exception", "corrupt")
+FAULT_KINDS = ("kill", "exception", "corrupt", "hang")
 ENGINES = ("lightning", "nemo")
 PRECISIONS = ("32-true", "bf16-mixed")
 
@@ -195,8 +195,9 @@ class CheckpointConfig:
 @dataclass
 class FaultSpec:
     """One injected fault on `rank` when it starts step `step`: `kill` (SIGKILL), `exception` (raised in the step),
-    or `corrupt` (from then on, the next state this rank sends to a replacement has a flipped byte after its
-    checksum was taken: the receiver must detect it and the job fall back to the checkpoint)."""
+    `hang` (SIGSTOP: found by the collective timeout and the launcher's watchdog), or `corrupt` (from then on, the
+    next state this rank sends to a replacement has a flipped byte after its checksum was taken: the receiver must
+    detect it and the job fall back to the checkpoint)."""
 
     kind: str = "kill"
     rank: int = 0

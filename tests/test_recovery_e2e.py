@@ -106,6 +106,18 @@ def test_a_transfer_that_fails_its_checksum_falls_back_to_checkpoint(
     assert_healthy_kept_pids(summary)
 
 
+def test_a_hung_rank_is_found_by_the_watchdog_and_replaced(workdir: Path, reference: dict[str, Any]) -> None:
+    """Rank 2 is SIGSTOPped: nobody sees a death. The survivors' collectives time out, they check in with the
+    launcher, the one rank that never does is killed and replaced from its replica."""
+    summary = run_job(workdir, "hang", "replication.num_instances=2", "replication.spares=1",
+                      "launcher.collective_timeout_s=3", "fault.plan=[{kind:hang,rank:2,step:8}]")
+    assert_equal_to(reference, summary)
+    (rec,) = summary["recoveries"]
+    assert rec["fault_kind"] == "hang" and rec["failed_ranks"] == [2] and rec["path"] == "p2p", rec
+    assert rec["steps_lost"] == 0 and rec["detect_s"] >= 2.5, rec  # found by the 3 s collective timeout
+    assert_healthy_kept_pids(summary)
+
+
 def test_single_instance_falls_back_to_checkpoint_with_a_cold_replacement(
         workdir: Path, reference: dict[str, Any]) -> None:
     """N=1 keeps no replica: a kill falls back to the checkpoint; with no spare the launcher starts a process."""

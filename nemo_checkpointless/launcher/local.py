@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from nemo_checkpointless.config import Config
 from nemo_checkpointless.data.cache import JOB_ID_KEY, new_job_id, remove_job_cache
-from nemo_checkpointless.restart.groups import FAULT_KEY
+from nemo_checkpointless.restart.groups import FAULT_KEY, alive_key, hang_key
 from nemo_checkpointless.restart.recovery import GENERATION_KEY, generation_info_key, record_key
 from nemo_checkpointless.restart.worker_env import ENV_PREFIX, WorkerEnv
 
@@ -88,6 +88,9 @@ class _Job:
     generation: int = 0
     refill: int = 0
     seen_injections: set[int] = field(default_factory=set)
+    hang_deadline: float | None = None
+    hang_handled: set[int] = field(default_factory=set)  # generations whose hang report was acted on
+    hung: set[int] = field(default_factory=set)
 
     def _start(self, extra_env: dict[str, str], log_name: str | None) -> _Proc:
         env = dict(os.environ)
@@ -160,7 +163,10 @@ class _Job:
                 how[rank] = "cold start"
                 self.start_rank(rank, join_generation=self.generation)
         fault_t = min([t_seen, *(i["t"] for i in injected.values())])
-        kinds = sorted({i["kind"] for i in injected.values()}) or ["crash"]
+        kinds = sorted({i["kind"] for i in injected.values()}
+                       | {"hang" for r in failed if r in self.hung and r not in injected}) or ["crash"]
+        if not failed:
+            kinds = ["timeout"]
         # The step the fault interrupted, when known (an injected fault says it): ranks stamp when they are
         # back there, which is how a recovery and a whole-job restart are compared.
         target = min((i["step"] for i in injected.values()), default=None)
@@ -171,6 +177,32 @@ class _Job:
         self.store.set(generation_info_key(self.generation),
                        json.dumps({"failed": failed, "fault_t": fault_t, "target_step": target}))
         self.store.set(GENERATION_KEY, str(self.generation))
+
+    def watch_hangs(self, codes: dict[int, int | None]) -> None:
+        """The watchdog. A rank reported a collective timeout: every healthy rank checks in (it reaches recovery
+        when its own collective times out or fails) within one collective timeout. The ranks that never do are
+        hung: they are killed, which turns the hang into an ordinary failure. If every rank checked in, nobody is
+        hung (a spurious timeout): the next generation is published with no rank replaced, and the ranks re-form
+        their groups and retry."""
+        g = self.generation
+        if self.hang_deadline is None:
+            # Once per generation: the killed rank may still look alive for a poll or two.
+            if g not in self.hang_handled and self.store.check([hang_key(g)]):
+                self.hang_deadline = time.monotonic() + self.cfg.launcher.collective_timeout_s
+            return
+        live = [r for r, c in codes.items() if c is None]
+        silent = [r for r in live if not self.store.check([alive_key(g, r)])]
+        if silent and time.monotonic() < self.hang_deadline:
+            return
+        self.hang_deadline = None
+        self.hang_handled.add(g)
+        if not silent:
+            self.store.set(FAULT_KEY, str(g))
+            self.replace([], codes)
+            return
+        for r in silent:
+            self.hung.add(r)
+            self.ranks[r].popen.kill()
 
     def _injected(self, failed: list[int]) -> dict[int, dict[str, Any]]:
         out = {}
@@ -277,6 +309,7 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str = WORKER_MODULE) ->
                 continue
             if all(c == 0 for c in codes.values()):
                 break
+            job.watch_hangs(codes)
             if job.refill and job.recovery_done(job.generation):
                 for _ in range(job.refill):
                     job.start_spare()

@@ -69,6 +69,8 @@ class CheckpointlessCallback(Callback):
                                                    "step": step}))
             if spec.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if spec.kind == "hang":
+                os.kill(os.getpid(), signal.SIGSTOP)
             if spec.kind == "corrupt":
                 strategy.session.engine.corrupt_next_send = True
                 continue

@@ -33,6 +33,20 @@ class PeerFailure(RuntimeError):
     """A collective could not complete because some rank of the job failed (or the launcher said so)."""
 
 
+class CollectiveTimeout(PeerFailure):
+    """A collective made no progress within the timeout and nobody reported a death: some rank hangs."""
+
+
+def hang_key(generation: int) -> str:
+    """Set by a rank whose collective of `generation` timed out: asks the launcher to find the hung rank."""
+    return f"job/hang/{generation}"
+
+
+def alive_key(generation: int, rank: int) -> str:
+    """Set by every rank that reaches recovery from `generation`: the ranks that never set it are the hung ones."""
+    return f"job/alive/{generation}/{rank}"
+
+
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """A client of the launcher's store (every worker and spare is a client; the launcher is the server)."""
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
@@ -114,7 +128,8 @@ class Group:
             if fault_generation(self.store) >= self.generation:
                 raise PeerFailure(f"{what}: the launcher reported a failed rank (generation {self.generation})")
             if time.monotonic() > deadline:
-                raise PeerFailure(f"{what}: no progress in {self.timeout_s:.0f} s (launcher.collective_timeout_s)")
+                raise CollectiveTimeout(f"{what}: no progress in {self.timeout_s:.0f} s "
+                                        "(launcher.collective_timeout_s)")
         try:
             work.wait()
         except RuntimeError as e:

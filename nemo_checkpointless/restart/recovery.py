@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from nemo_checkpointless.errors import RecoveryError
 from nemo_checkpointless.replication.checkpoint import CheckpointStore
-from nemo_checkpointless.restart.groups import Membership, PeerFailure
+from nemo_checkpointless.restart.groups import CollectiveTimeout, Membership, PeerFailure, alive_key, hang_key
 from nemo_checkpointless.state.packing import PackError, checksum, pack, unpack
 from nemo_checkpointless.topology import ParallelDims, plan_recovery, rank_info
 
@@ -130,7 +130,9 @@ class RecoveryEngine:
 
     def _next_generation(self, after: int) -> int:
         """Block until the launcher publishes a generation newer than `after`; return the newest."""
-        deadline = time.monotonic() + self.membership.timeout_s
+        # A hang costs the launcher up to one more collective timeout to find and kill the hung rank.
+        patience = 2 * self.membership.timeout_s + 10
+        deadline = time.monotonic() + patience
         while True:
             if self.store.check([GENERATION_KEY]):
                 current = int(self.store.get(GENERATION_KEY))
@@ -138,7 +140,7 @@ class RecoveryEngine:
                     return current
             if time.monotonic() > deadline:
                 raise RecoveryError(f"rank {self.membership.rank}: the launcher published no new generation within "
-                                    f"{self.membership.timeout_s:.0f} s of a failure (is the launcher alive?)")
+                                    f"{patience:.0f} s of a failure (is the launcher alive?)")
             time.sleep(0.002)
 
     def recover(self, participant: Participant, failure: PeerFailure) -> Decision:
@@ -146,6 +148,10 @@ class RecoveryEngine:
         step in flight) or raises `RestartFromCheckpoint`."""
         t_detect = time.time()
         log.warning("rank %d: %s; recovering", self.membership.rank, failure)
+        generation = self.membership.generation
+        self.store.set(alive_key(generation, self.membership.rank), json.dumps(t_detect))
+        if isinstance(failure, CollectiveTimeout):
+            self.store.set(hang_key(generation), json.dumps({"rank": self.membership.rank, "t": t_detect}))
         return self._run(participant, SURVIVOR, self.membership.generation, {"detect_t": t_detect})
 
     def join(self, participant: Participant, generation: int) -> Decision:
