@@ -315,8 +315,6 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str = WORKER_MODULE) ->
                     job.start_spare()
                 job.refill = 0
             time.sleep(POLL_S)
-    except LaunchError:
-        raise
     finally:
         for p in [*job.ranks.values(), *job.spares.values()]:
             if p.popen.poll() is None:
