@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 GENERATION_KEY = "job/generation"
 SURVIVOR, REPLACEMENT = 0, 1
-_REPORT = 5  # role, completed steps, phase, digest steps, digest prefix
+_REPORT = 5  # role, completed steps, phase, steps in the data digest (= completed steps), data digest prefix
 
 
 def generation_info_key(generation: int) -> str:
@@ -188,8 +188,7 @@ class RecoveryEngine:
         world = self.membership.world()
         done, phase = participant.progress() if role == SURVIVOR else (-1, 0)
         digest = participant.data_digest_hex() if role == SURVIVOR else "0" * 64
-        steps = done
-        mine = torch.tensor([role, done, phase, steps, int(digest[:15], 16)], dtype=torch.int64)
+        mine = torch.tensor([role, done, phase, done, int(digest[:15], 16)], dtype=torch.int64)
         reports = [torch.empty(_REPORT, dtype=torch.int64) for _ in range(world.size)]
         world.all_gather(reports, mine)
         decision = decide(self.dims, [r.tolist() for r in reports], self.checkpoints)
@@ -200,9 +199,8 @@ class RecoveryEngine:
         flags = torch.tensor([0 if ok else 1], dtype=torch.int64)
         world.all_reduce(flags)
         if int(flags[0]) and decision.path == "p2p":
-            bad = _fallback(decision.replaced, decision.step, self.checkpoints,
-                            "a transfer failed its checksum; falling back")
-            decision = bad
+            decision = _fallback(decision.replaced, decision.step, self.checkpoints,
+                                 "a transfer failed its checksum; falling back")
         if decision.path == "checkpoint" and role == REPLACEMENT:
             self.load_checkpoint(participant, decision.step)
         return decision
