@@ -166,10 +166,8 @@ def _wipe(part: Any) -> int:
     return sum(int(p.isnan().sum()) for c in part.model for p in c.parameters())
 
 
-def main() -> None:
-    out, mode = Path(sys.argv[1]), sys.argv[2]
-    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 6
-    warnings.filterwarnings("ignore")
+def build_model_and_data() -> tuple[llm.GPTModel, _Data]:
+    """The tiny Llama (dropout on) with Megatron's distributed optimizer, and its mock data (global batch 8)."""
     torch.manual_seed(SEED)  # Megatron DDP does not broadcast initial params: every rank must build the same ones
     config = Llama3Config(
         num_layers=2, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4, num_query_groups=2,
@@ -184,6 +182,14 @@ def main() -> None:
     model = llm.GPTModel(config, tokenizer=_Tokenizer(), optim=optim)
     data = _Data(seq_length=64, tokenizer=_Tokenizer(), micro_batch_size=2, global_batch_size=8, num_workers=0,
                  pin_memory=False, num_train_samples=10_000)
+    return model, data
+
+
+def main() -> None:
+    out, mode = Path(sys.argv[1]), sys.argv[2]
+    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 6
+    warnings.filterwarnings("ignore")
+    model, data = build_model_and_data()
     strategy = CheckpointlessMegatronStrategy(num_instances=2, global_batch_size=8, ckpt_async_save=False)
     probe = _Probe(mode, out)
     trainer = nl.Trainer(accelerator="cpu", devices=4, max_steps=steps, strategy=strategy, logger=False,

@@ -88,6 +88,7 @@ class MegatronParticipant:
         self.phase = 0
         self.data_digest = DataDigest()
         self._boundary: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
+        self.boundary_step = -1  # the step whose boundary `_boundary` snapshots
         self._rng_to_restore: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
 
     # ---------------------------------------------------------------------------------------- training loop
@@ -99,6 +100,7 @@ class MegatronParticipant:
         self.completed_steps = completed_steps
         self.phase = 0
         self._boundary = _capture_all_rng()
+        self.boundary_step = completed_steps
 
     def step_done(self, rank_batch_hashes: list[bytes] | None = None) -> None:
         """After the optimizer step: count it and extend the data digest with the step's per-rank batch hashes."""

@@ -10,15 +10,23 @@ What it adds to `MegatronStrategy`:
   snapshot is taken before every training step and its step count follows the optimizer steps, so the recovery
   engine can read or replace this rank's shard at any step boundary.
 
-What it does not do yet: replace a killed rank in-process. NeMo and megatron-core run every collective on
-`torch.distributed`'s default group and the groups `megatron.core.parallel_state` derived from it; see
-docs/design.md ("NeMo path") for what would have to be rebuilt.
+In-process replacement (`nemo.restart`): every `fit` of a generation runs on its own default group, created from
+the launcher's store under a per-generation prefix (`use_generation`), with a short collective timeout (`pg_timeout_s=`,
+applied to the default group and to every group megatron derives from it) as the failure detector of the ranks
+that do not neighbour the dead one. After a failure every rank leaves `fit` in its own process, the old default
+group is abandoned (not destroyed), and `fit` is entered again with a fresh Megatron setup; `resume` is the
+state to load once the model and optimizer exist (a survivor's own boundary state, kept in memory; a
+replacement's, received from its replica by the recovery engine), and the data position and Lightning's counters
+start at its step. See `nemo.restart`.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
+import torch
 from nemo.lightning import MegatronStrategy
 from typing_extensions import override
 
@@ -33,11 +41,15 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         num_instances: `replication.num_instances`; Megatron's `num_distributed_optimizer_instances`. Must divide
             the data-parallel size (dp*cp) at the job's world size; checked when the world size is known.
         global_batch_size: samples per step, recorded with the data position (0: unknown).
+        pg_timeout_s: with `use_generation`, the gloo timeout of the default group and of megatron's groups (NeMo
+            reads it from TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC, which this sets): the failure detector of last resort.
+            Must exceed the longest collective wait of a healthy step.
         **kwargs: `MegatronStrategy`'s arguments (`tensor_model_parallel_size`, `ddp`, ...), except
             `num_distributed_optimizer_instances`, which this strategy owns.
     """
 
-    def __init__(self, *args: Any, num_instances: int = 1, global_batch_size: int = 0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, num_instances: int = 1, global_batch_size: int = 0,
+                 pg_timeout_s: float | None = None, **kwargs: Any) -> None:
         if "num_distributed_optimizer_instances" in kwargs:
             raise TypeError("CheckpointlessMegatronStrategy sets num_distributed_optimizer_instances from "
                             "num_instances (replication.num_instances); pass num_instances= instead")
@@ -53,6 +65,19 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.global_batch_size = global_batch_size
         self.participant: MegatronParticipant | None = None
         self.dims: ParallelDims | None = None
+        self.pg_timeout_s = pg_timeout_s
+        self.pg_store: Any = None
+        self.resume: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+        self.resume_step = 0
+
+    def use_generation(self, pg_store: Any,
+                       resume: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None) -> None:
+        """Before `fit`: build the default group from `pg_store` (a `PrefixStore` naming the generation over the
+        launcher's store) and, once the model and optimizer exist, load `resume` (a `MegatronParticipant` state).
+        Not constructor arguments: NeMo deep-copies those for its io config, and a store cannot be copied."""
+        self.pg_store = pg_store
+        self.resume = resume
+        self.resume_step = int(resume[1]["step"]) if resume is not None else 0
 
     def job_dims(self) -> ParallelDims:
         """The job's layout in our topology's terms (raises `ConfigError` naming the key when it is invalid)."""
@@ -66,6 +91,49 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.dims = self.job_dims()
         super().setup_environment()
         self._check_megatron_groups()
+
+    @override
+    def setup_distributed(self) -> None:
+        if self.pg_store is None:
+            super().setup_distributed()
+            return
+        # Every member arrives first (the store waits as long as a replacement needs to start), then gloo connects
+        # under the short timeout that is also the failure detector of every collective of this generation.
+        world = self.cluster_environment.world_size() if self.cluster_environment else self.world_size
+        self.pg_store.add("arrived", 1)
+        deadline = time.monotonic() + 600
+        while self.pg_store.add("arrived", 0) < world:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not every rank reached the default group within 600 s ({world} expected)")
+            time.sleep(0.002)
+        self.store = self.pg_store
+        from megatron.core import parallel_state
+        from nemo.lightning import _strategy_lib
+
+        original = parallel_state.initialize_model_parallel
+        calls: list[int] = []
+
+        def initialize(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if self.pg_timeout_s is not None:
+                kwargs["distributed_timeout_minutes"] = self.pg_timeout_s / 60
+            return original(*args, **kwargs)
+
+        if self.pg_timeout_s is not None:
+            os.environ["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] = str(max(1, round(self.pg_timeout_s)))
+        parallel_state.initialize_model_parallel = initialize
+        try:
+            super().setup_distributed()
+            if not calls:
+                # Observed with NeMo 2.7.3: in a later fit of the same process, MegatronStrategy.setup_distributed
+                # leaves megatron's groups from the previous generation in place (handles into the abandoned
+                # default group). Create them on this generation's default group.
+                _strategy_lib.init_model_parallel(self.model)
+            if not calls:
+                raise RuntimeError("megatron's model-parallel groups were not re-created on this generation's "
+                                   "default group")
+        finally:
+            parallel_state.initialize_model_parallel = original
 
     def _check_megatron_groups(self) -> None:
         if self.num_instances == 1:
@@ -90,6 +158,29 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
             list(self.megatron_parallel), self.optimizers[0], dp_size=self.dims.dp_cp,
             num_instances=self.num_instances, shard_index=rank_info(self.dims, self.global_rank).shard_index,
             global_batch_size=self.global_batch_size)
+        if self.resume is not None:
+            self.participant.load_state(*self.resume)
+            self.resume = None  # the tensors belong to the previous fit's model: drop them once loaded
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        if self.resume_step and self.data_sampler is not None and getattr(dataloader, "mode", "train") == "train":
+            sampler: Any = self.data_sampler
+            consumed = self.resume_step * int(getattr(sampler, "global_batch_size", 0) or self.global_batch_size)
+            sampler.init_consumed_samples = sampler.prev_consumed_samples = consumed
+            sampler.init_global_step = self.resume_step
+        return super().process_dataloader(dataloader)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        step = self.resume_step
+        if step:
+            # Resume Lightning's counters at the step boundary the loaded state belongs to.
+            loop = self.trainer.fit_loop.epoch_loop
+            loop.automatic_optimization.optim_progress.optimizer.step.total.ready = step
+            loop.automatic_optimization.optim_progress.optimizer.step.total.completed = step
+            loop._batches_that_stepped = step
 
     @override
     def training_step(self, dataloader_iter: Any, *args: Any, **kwargs: Any) -> Any:
