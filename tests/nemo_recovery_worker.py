@@ -50,7 +50,7 @@ from nemo_checkpointless.nemo.restart import (  # noqa: E402
     own_boundary_state,
 )
 from nemo_checkpointless.restart.groups import Membership, PeerFailure, connect_store, fault_generation  # noqa: E402
-from nemo_checkpointless.restart.recovery import RecoveryEngine, generation_info_key, record_key  # noqa: E402
+from nemo_checkpointless.restart.recovery import RecoveryEngine, RecoveryStamps  # noqa: E402
 from nemo_checkpointless.restart.worker_env import ENV_PREFIX  # noqa: E402
 from nemo_checkpointless.state.hashing import state_digest  # noqa: E402
 from nemo_checkpointless.topology import ParallelDims  # noqa: E402
@@ -58,13 +58,14 @@ from nemo_checkpointless.topology import ParallelDims  # noqa: E402
 GLOBAL_BATCH = 8
 TRAIN_START_KEY = "job/train_start"
 _STORE: list[dist.Store] = []
+_STAMPS: list[RecoveryStamps] = []  # module-level for the same reason as _STORE (see _Job.store)
 
 
 class _Job(pl.Callback):
     """Fault injection, recovery timing stamps, and the end-of-run digests."""
 
-    def __init__(self, job: dict[str, Any], rank: int, run_dir: Path, pending: dict[int, bool]) -> None:
-        self.job, self.rank, self.run_dir, self.pending = job, rank, run_dir, pending
+    def __init__(self, job: dict[str, Any], rank: int, run_dir: Path) -> None:
+        self.job, self.rank, self.run_dir = job, rank, run_dir
 
     @property
     def store(self) -> dist.Store:
@@ -88,17 +89,7 @@ class _Job(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        done, now = trainer.global_step, time.time()
-        for generation in list(self.pending):
-            key = record_key(generation, self.rank)
-            entry = json.dumps({"t": now, "step": done})
-            if not self.pending[generation]:
-                self.store.set(key + "/first_step", entry)
-                self.pending[generation] = True
-            target = json.loads(self.store.get(generation_info_key(generation))).get("target_step")
-            if target is None or done >= target:
-                self.store.set(key + "/caught_up", entry)
-                del self.pending[generation]
+        _STAMPS[0].stamp(trainer.global_step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
@@ -161,7 +152,8 @@ def run() -> None:
     membership = Membership(store, rank, world, host, job["engine_timeout_s"])
     engine = RecoveryEngine(membership, dims, None)
     resume: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
-    pending: dict[int, bool] = {}
+    stamps = RecoveryStamps(store, rank)
+    _STAMPS.append(stamps)
     if join_generation:
         membership.generation = join_generation - 1
         received = ReceivedState()
@@ -169,7 +161,7 @@ def run() -> None:
         if decision.path != "p2p" or received.state is None:
             raise RuntimeError(f"rank {rank}: recovery decided {decision}; the NeMo path has no checkpoint fallback")
         resume = received.state
-        pending[membership.generation] = False
+        stamps.track(membership.generation)
         print(f"[rank {rank}] joined generation {membership.generation}: state of step {decision.step} received "
               f"p2p ({engine.bytes_received} bytes)", flush=True)
     while True:
@@ -182,7 +174,7 @@ def run() -> None:
         resume = None
         trainer = nl.Trainer(accelerator="cpu", devices=world, max_steps=job["steps"], strategy=strategy,
                              logger=False, enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
-                             enable_progress_bar=False, callbacks=[_Job(job, rank, run_dir, pending)],
+                             enable_progress_bar=False, callbacks=[_Job(job, rank, run_dir)],
                              log_every_n_steps=1)
         watch = FaultWatch(store, generation, keep_ports={port}) if job.get("fault_watch", True) else None
         try:
@@ -207,7 +199,7 @@ def run() -> None:
             if decision.path != "p2p":
                 raise RuntimeError(f"rank {rank}: recovery decided {decision}; no checkpoint fallback here") from e
             abandoned = abandon_default_group()
-            pending[membership.generation] = False
+            stamps.track(membership.generation)
             print(f"[rank {rank}] recovered p2p at step {decision.step} in {time.time() - t:.2f} s (generation "
                   f"{membership.generation}, {abandoned} old groups abandoned); entering fit again", flush=True)
 

@@ -10,7 +10,6 @@ the step: a healthy rank never leaves `fit`, keeps its process, its memory and t
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,7 @@ from typing_extensions import override
 from nemo_checkpointless.replication import ShardedOptimizer
 from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart import Membership, PeerFailure, WorkerEnv
-from nemo_checkpointless.restart.recovery import Decision, RecoveryEngine, generation_info_key, record_key
+from nemo_checkpointless.restart.recovery import Decision, RecoveryEngine, RecoveryStamps
 from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
 from nemo_checkpointless.state.rng import capture_rng, restore_rng
 from nemo_checkpointless.topology import ParallelDims, rank_info
@@ -60,29 +59,10 @@ class Session:
     checkpoints: CheckpointStore | None
     checkpoint_every: int = 0
     position: DataPosition = field(default_factory=DataPosition)
-    # Recoveries whose timing is not complete yet: generation -> {"first": stamped?}. A rank stamps the first
-    # step it completes after a recovery, and the step at which it is back where the fault interrupted it.
-    pending_records: dict[int, dict[str, bool]] = field(default_factory=dict)
+    stamps: RecoveryStamps = field(init=False)
 
-    def track(self, generation: int) -> None:
-        self.pending_records.setdefault(generation, {"first": False})
-
-    def stamp(self, completed_steps: int) -> None:
-        """Called after every completed step: write the recovery timings the launcher turns into records."""
-        if not self.pending_records:
-            return
-        store, now = self.membership.store, time.time()
-        for generation in list(self.pending_records):
-            key = record_key(generation, self.env.rank)
-            entry = json.dumps({"t": now, "step": completed_steps})
-            if not self.pending_records[generation]["first"]:
-                store.set(key + "/first_step", entry)
-                self.pending_records[generation]["first"] = True
-            info = json.loads(store.get(generation_info_key(generation)))
-            target = info.get("target_step")
-            if target is None or completed_steps >= target:
-                store.set(key + "/caught_up", entry)
-                del self.pending_records[generation]
+    def __post_init__(self) -> None:
+        self.stamps = RecoveryStamps(self.membership.store, self.env.rank)
 
 
 class CheckpointlessStrategy(ParallelStrategy):
@@ -153,11 +133,11 @@ class CheckpointlessStrategy(ParallelStrategy):
         if self.join.kind == "replacement":
             decision = self.session.engine.join(self, self.join.generation)
             self.decisions.append(decision)
-            self.session.track(self.membership.generation)
+            self.session.stamps.track(self.membership.generation)
             step = decision.step
         elif self.join.kind == "checkpoint":
             self.session.engine.load_checkpoint(self, self.join.step)
-            self.session.track(self.join.generation)
+            self.session.stamps.track(self.join.generation)
             step = self.join.step
         else:
             step = 0
@@ -212,12 +192,12 @@ class CheckpointlessStrategy(ParallelStrategy):
                 # Raises RestartFromCheckpoint when peers cannot help; otherwise retry this step's collectives
                 # with the gradients this rank already holds.
                 self.decisions.append(self.session.engine.recover(self, failure))
-                self.session.track(self.membership.generation)
+                self.session.stamps.track(self.membership.generation)
         assert summed is not None
         self.data_digest.update(decode_hashes(summed))
         self._pending_batch_hash = None
         self._in_step = False
-        self.session.stamp(self.sharded.completed_steps)
+        self.session.stamps.stamp(self.sharded.completed_steps)
         return result
 
     # ------------------------------------------------------------------------- the recovery engine's view

@@ -51,6 +51,36 @@ def record_key(generation: int, rank: int) -> str:
     return f"job/recovery/{generation}/{rank}"
 
 
+class RecoveryStamps:
+    """The timings a rank writes after a recovery, which the launcher turns into `summary.json` records: the first
+    step it completes (`first_step`) and the step at which it is back where the fault interrupted it (`caught_up`,
+    the generation's `target_step` when the launcher knows it)."""
+
+    def __init__(self, store: dist.Store, rank: int) -> None:
+        self.store = store
+        self.rank = rank
+        self.pending: dict[int, bool] = {}  # generation -> first step already stamped?
+
+    def track(self, generation: int) -> None:
+        self.pending.setdefault(generation, False)
+
+    def stamp(self, completed_steps: int) -> None:
+        """Call after every completed step (cheap when nothing is pending)."""
+        if not self.pending:
+            return
+        now = time.time()
+        for generation in list(self.pending):
+            key = record_key(generation, self.rank)
+            entry = json.dumps({"t": now, "step": completed_steps})
+            if not self.pending[generation]:
+                self.store.set(key + "/first_step", entry)
+                self.pending[generation] = True
+            target = json.loads(self.store.get(generation_info_key(generation))).get("target_step")
+            if target is None or completed_steps >= target:
+                self.store.set(key + "/caught_up", entry)
+                del self.pending[generation]
+
+
 class Participant(Protocol):
     """The training side, as the recovery engine sees it (the Lightning strategy, the NeMo adapter, ...)."""
 
