@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs what the tests need, from scratch, and runs them (the README's test command; CI runs it too).
+#
+# Two virtual environments, because NeMo 2.7 pins older releases than the package's own range
+# (lightning 2.4.0, hydra-core 1.3.2, megatron-core 0.15.x; docs/design.md, "Dependencies"):
+#   .venv       the package with the newest dependencies it allows: every test (the `nemo` ones skip there)
+#   .venv-nemo  the package with the [nemo] extra: the `nemo`-marked tests (NeMo 2 + megatron-core on gloo)
+# torch==2.13.0 goes first in each (the CPU wheel) and is held there by a constraint: a bare `torch` requirement
+# with no torch installed resolves to a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1
+TORCH=torch==2.13.0
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+echo "$TORCH" > "$constraints"
+
+python3 -m venv .venv
+.venv/bin/pip install -q "$TORCH"
+.venv/bin/pip install -q -c "$constraints" -e ".[dev]"
+.venv/bin/python -m pytest -q
+
+python3 -m venv .venv-nemo
+.venv-nemo/bin/pip install -q "$TORCH"
+.venv-nemo/bin/pip install -q -c "$constraints" -e ".[dev,nemo]"
+.venv-nemo/bin/python -m pytest -q -m nemo
