@@ -42,6 +42,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Hidden and attention dropout (engine=nemo only; the plain-Lightning model has none).
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
@@ -54,6 +56,14 @@ class ModelConfig:
             raise ConfigError("model.n_kv_heads", self.n_kv_heads,
                               f"must divide model.n_heads={self.n_heads} (grouped-query attention)",
                               "choose a divisor of model.n_heads")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError("model.dropout", self.dropout, "must lie in [0, 1)", "use e.g. 0.0 or 0.1")
+
+    def llama_config(self) -> Any:
+        """The model's own frozen config (`models.LlamaConfig`; dropout belongs to the NeMo engine only)."""
+        from nemo_checkpointless.models import LlamaConfig
+
+        return LlamaConfig(**{k: v for k, v in vars(self).items() if k != "dropout"})
 
 
 @dataclass
@@ -183,7 +193,9 @@ class ReplicationConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Persistent fallback checkpoint (torch.distributed.checkpoint); `every_n_steps` 0 disables it."""
+    """Persistent fallback checkpoint (`replication.CheckpointStore`: raw tensors + JSON, no pickle), written by
+    the first optimizer instance every `every_n_steps` steps (0: never; the fallback is then the seeded initial
+    state); `dir` defaults to RUN_DIR/checkpoints."""
 
     every_n_steps: int = 0
     dir: str | None = None
@@ -221,8 +233,15 @@ class LauncherConfig:
     # recover: keep healthy ranks, replace the failed ones (this project). restart_all: kill every rank and
     # restart the whole job from the persistent checkpoint (what jobs do today; the benchmark's baseline).
     on_failure: str = "recover"
+    # Python modules every rank and spare imports before anything else (a site patch, a profiler; for the NeMo
+    # engine on CPU, the test suite's CPU shim: `PYTHONPATH=tests ... launcher.preload=[nemo_shim]`).
+    preload: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        for i, name in enumerate(self.preload):
+            if not all(part.isidentifier() for part in str(name).split(".")):
+                raise ConfigError(f"launcher.preload[{i}]", name, "must be an importable module name",
+                                  "use a dotted module name such as mypatch or site_pkg.patch (not a file path)")
         if not self.collective_timeout_s > 0:
             raise ConfigError("launcher.collective_timeout_s", self.collective_timeout_s, "must be > 0", "use e.g. 30")
         _positive("launcher.threads_per_rank", self.threads_per_rank)

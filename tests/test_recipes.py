@@ -10,7 +10,7 @@ import torch
 
 from nemo_checkpointless.cli.compose import compose, recipe_names
 from nemo_checkpointless.cli.train import main
-from nemo_checkpointless.models import LlamaConfig, LlamaModel
+from nemo_checkpointless.models import LlamaModel
 from nemo_checkpointless.planning import total_params
 
 # Published parameter counts (Meta's model cards), in billions.
@@ -48,7 +48,7 @@ def test_published_sizes_on_the_meta_device(name: str) -> None:
     cfg = compose([f"recipe={name}"])
     assert cfg.engine == "nemo" and cfg.trainer.accelerator == "gpu" and cfg.trainer.devices == 8
     with torch.device("meta"):
-        model = LlamaModel(LlamaConfig(**vars(cfg.model)))
+        model = LlamaModel(cfg.model.llama_config())
     count = model.num_parameters()
     assert model.embed.weight.is_meta
     assert count == total_params(cfg.model)  # the planner's closed form agrees with the module

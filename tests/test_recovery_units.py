@@ -98,3 +98,21 @@ def test_checkpoint_store_skips_incomplete_and_detects_corruption(tmp_path: Path
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="checksum"):
         store.load_shard(5, 1)
+
+
+def test_checkpoint_store_shared_tensors_are_written_once_and_read_by_every_shard(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "ckpt", num_shards=3)
+    params = torch.arange(6.0)
+    for shard in range(3):
+        store.save_shard(4, shard, {"param.flat": params, "shard.m": torch.full((2,), float(shard))},
+                         {"step": 4, "shard": shard}, shared_prefix="param.")
+    assert "param.flat" not in store.load_shard(4, 2)[0]  # written by shard 0 only
+    for shard in range(3):
+        tensors, meta = store.load_rank_state(4, shard)
+        assert meta["shard"] == shard and set(tensors) == {"param.flat", "shard.m"}
+        assert torch.equal(tensors["param.flat"], params) and torch.equal(tensors["shard.m"], torch.full((2,), shard))
+    # Without a shared prefix every shard is whole on its own (Megatron: params differ across TP/PP positions).
+    store.save_shard(8, 1, {"model.w": torch.ones(2)}, {"step": 8})
+    store.save_shard(8, 0, {"model.w": torch.zeros(2)}, {"step": 8})
+    store.save_shard(8, 2, {"model.w": torch.full((2,), 2.0)}, {"step": 8})
+    assert torch.equal(store.load_rank_state(8, 1)[0]["model.w"], torch.ones(2))

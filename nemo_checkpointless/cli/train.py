@@ -25,7 +25,8 @@ Common overrides:
   trainer.devices=K                  local ranks (CPU processes)
   run.dir=PATH                       where logs, config and summary.json go
   replication.num_instances=N        replicated optimizer instances (must divide the data-parallel size)
-  trainer.num_nodes=N                nodes (engine=nemo recipes; size them with checkpointless-plan)
+  trainer.num_nodes=N                nodes (size cluster jobs with checkpointless-plan; 1 here)
+  launcher.preload=[MODULE]          modules every rank imports first (engine=nemo on CPU: the tests' shim)
   seed=S                             random seed
   data.path=PREFIX                   token data PREFIX.bin + PREFIX.idx (see checkpointless-tokenize)
   --cfg                              print the composed config and exit
@@ -56,28 +57,41 @@ def prepare_data(cfg: Config) -> Config:
 
 
 def check_engine(cfg: Config) -> None:
-    """engine=nemo recipes (Megatron TP/PP/CP, usually on GPUs) are validated like any recipe, then stop here:
-    this command launches the plain-Lightning engine only. In a NeMo 2 script of one's own,
-    `nemo_checkpointless.nemo.CheckpointlessMegatronStrategy` gives N optimizer instances and the recovery adapter
-    (in-process replacement of a killed rank is not built for NeMo yet: docs/design.md, "NeMo path")."""
-    if cfg.engine != "nemo":
-        return
+    """engine=nemo: NeMo 2 must be installed, the job must fit this machine (the local launcher), and on CPU
+    megatron-core's CUDA-only calls must be patched by a `launcher.preload` module (the package ships none; the
+    test suite's `tests/nemo_shim.py` is one)."""
     import importlib.util
 
-    import torch
+    for i, name in enumerate(cfg.launcher.preload):
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ConfigError(f"launcher.preload[{i}]", name, "is not an importable module here",
+                              "put its directory on PYTHONPATH (e.g. PYTHONPATH=tests for nemo_shim)")
+    if cfg.engine != "nemo":
+        return
+    t, recipe = cfg.trainer, cfg.recipe_name
+    if importlib.util.find_spec("nemo") is None:
+        raise ConfigError("engine", "nemo", f"recipe={recipe} runs on NeMo 2, which is not installed here",
+                          "pip install -e '.[nemo]' (nemo_toolkit 2.7.x; docs/getting_started.md)")
+    if t.num_nodes != 1:
+        raise ConfigError("trainer.num_nodes", t.num_nodes, "checkpointless-train launches the ranks of one machine",
+                          f"size the cluster job with: checkpointless-plan recipe={recipe} "
+                          f"trainer.num_nodes={t.num_nodes}; here use trainer.num_nodes=1")
+    if t.accelerator == "gpu":
+        import torch
 
-    t = cfg.trainer
-    gpu = t.accelerator == "gpu"
-    where = f"{t.num_nodes} node(s) x {t.devices} GPUs" if gpu else f"{t.devices} CPU ranks"
-    missing = [m for m, bad in (("no CUDA GPU", gpu and not torch.cuda.is_available()),
-                                ("no [nemo] extra: pip install -e '.[nemo]'", importlib.util.find_spec("nemo") is None))
-               if bad]
-    here = f" (this machine: {'; '.join(missing)})" if missing else ""
-    raise ConfigError("engine", "nemo", f"recipe={cfg.recipe_name} needs the NeMo engine on {where}{here}, which "
-                      "checkpointless-train does not launch (in your own NeMo script, use "
-                      "nemo_checkpointless.nemo.CheckpointlessMegatronStrategy)",
-                      f"size it with: checkpointless-plan recipe={cfg.recipe_name} trainer.num_nodes={t.num_nodes}; "
-                      "train here with recipe=tiny_llama_cpu (docs/getting_started.md)")
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < t.devices:
+            raise ConfigError("trainer.devices", t.devices, f"needs {t.devices} CUDA GPUs, this machine has {have}",
+                              "use a GPU machine, or recipe=tiny_llama_nemo on CPU (docs/getting_started.md)")
+    elif not cfg.launcher.preload:
+        raise ConfigError("launcher.preload", "[]", "engine=nemo on CPU needs megatron-core's CUDA-only calls "
+                          "patched, which this package does not ship",
+                          "use the test suite's CPU shim: PYTHONPATH=tests checkpointless-train "
+                          f"recipe={recipe} launcher.preload=[nemo_shim]")
 
 
 def check_lightning_path(cfg: Config) -> None:
@@ -91,7 +105,8 @@ def check_lightning_path(cfg: Config) -> None:
                           "use trainer.num_nodes=1 here; generate cluster launch files for more nodes")
     t = cfg.trainer
     for key, value, ok in (("trainer.accelerator", t.accelerator, "cpu"), ("trainer.precision", t.precision, "32-true"),
-                           ("trainer.accumulate_grad_batches", t.accumulate_grad_batches, 1)):
+                           ("trainer.accumulate_grad_batches", t.accumulate_grad_batches, 1),
+                           ("model.dropout", cfg.model.dropout, 0.0)):
         if value != ok:
             raise ConfigError(key, value, f"the plain-Lightning path supports only {key}={ok}",
                               f"use {key}={ok}, or a NeMo recipe (engine=nemo)")
@@ -116,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             return 0
         check_engine(cfg)
-        check_lightning_path(cfg)
+        if cfg.engine == "lightning":
+            check_lightning_path(cfg)
         cfg = prepare_data(cfg)
     except ConfigError as e:
         print(f"checkpointless-train: error: {e}", file=sys.stderr)

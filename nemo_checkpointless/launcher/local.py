@@ -30,6 +30,7 @@ from nemo_checkpointless.restart.recovery import GENERATION_KEY, generation_info
 from nemo_checkpointless.restart.worker_env import ENV_PREFIX, WorkerEnv
 
 WORKER_MODULE = "nemo_checkpointless.lightning.worker"
+WORKER_MODULES = {"lightning": WORKER_MODULE, "nemo": "nemo_checkpointless.nemo.worker"}  # by `engine`
 POLL_S = 0.005
 # After the first death, how long to look for others before deciding. Deaths further apart are handled too: the
 # later one interrupts the recovery in progress, which restarts at the next generation with both replaced.
@@ -279,15 +280,16 @@ class _Job:
         return out
 
 
-def run_local(cfg: Config, run_dir: Path, worker_module: str = WORKER_MODULE) -> dict[str, Any]:
+def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None) -> dict[str, Any]:
     """Run the job described by `run_dir/config.yaml` on `cfg.trainer.devices` local ranks; return the summary.
+    Each rank runs `python -m worker_module` (default: the worker of `cfg.engine`).
 
     Rank 0 writes to this process's terminal; the others write to `run_dir/logs/rank_<r>.<n>.log`.
     """
     t0 = time.perf_counter()
     store, port = host_store(cfg.launcher.host, cfg.launcher.start_timeout_s)
     (run_dir / "logs").mkdir(mode=0o700, parents=True, exist_ok=True)
-    job = _Job(cfg, run_dir, store, port, worker_module)
+    job = _Job(cfg, run_dir, store, port, worker_module or WORKER_MODULES[cfg.engine])
     store.set(GENERATION_KEY, "0")
     job_id = new_job_id()  # names the job's batch cache (data.loader=mmap); removed below when the job ends
     store.set(JOB_ID_KEY, job_id)

@@ -168,9 +168,8 @@ class CheckpointlessStrategy(ParallelStrategy):
         if (every and step and step % every == 0 and self.info.instance == 0
                 and self.session.checkpoints is not None):
             tensors_out, meta_out = self.boundary_state()
-            if self.info.shard_index != 0:
-                tensors_out = {k: v for k, v in tensors_out.items() if not k.startswith("param.")}
-            self.session.checkpoints.save_shard(step, self.info.shard_index, tensors_out, meta_out)
+            self.session.checkpoints.save_shard(step, self.info.shard_index, tensors_out, meta_out,
+                                                shared_prefix="param.")
 
     def record_batch_hash(self, digest: bytes) -> None:
         """The hash of the micro-batch this rank trains on in the current step (sent with the gradients)."""

@@ -34,12 +34,11 @@ from nemo_checkpointless.launcher.local import spare_assign_key, spare_ready_key
 from nemo_checkpointless.lightning.callback import CheckpointlessCallback
 from nemo_checkpointless.lightning.module import LlamaLightningModule
 from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy, JoinSpec, Session
-from nemo_checkpointless.models import LlamaConfig
 from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart import Membership, WorkerEnv
 from nemo_checkpointless.restart.groups import connect_store
 from nemo_checkpointless.restart.recovery import RecoveryEngine, RestartFromCheckpoint
-from nemo_checkpointless.restart.worker_env import ENV_PREFIX
+from nemo_checkpointless.restart.worker_env import ENV_PREFIX, preload
 from nemo_checkpointless.topology import rank_info
 
 
@@ -144,7 +143,7 @@ def build_trainer(cfg: Config, session: Session, tokens: object, join: JoinSpec
     dp_rank = rank_info(session.dims, env.rank).dp_rank
     plan = GlobalBatchPlan(len(dataset), cfg.data.micro_batch_size, session.dims.dp, cfg.seed, cfg.data.shuffle)
     loader = _build_loader(cfg, session, dataset, plan, dp_rank)
-    module = LlamaLightningModule(LlamaConfig(**vars(cfg.model)), cfg.optim, cfg.trainer.max_steps)
+    module = LlamaLightningModule(cfg.model.llama_config(), cfg.optim, cfg.trainer.max_steps)
     strategy = CheckpointlessStrategy(session, num_instances=cfg.replication.num_instances,
                                       grad_clip=cfg.optim.grad_clip, join=join)
     trainer = pl.Trainer(
@@ -161,7 +160,7 @@ def warm_up(cfg: Config) -> None:
     """Run one forward/backward of the model on a dummy batch, so a replacement's first real step does not pay for
     first-call kernel and allocator set-up (measured: ~0.1 s of a ~0.3 s recovery on the CPU test job). Touches
     no state that matters: the model is rebuilt, and RNG is restored from the replica, after assignment."""
-    module = LlamaLightningModule(LlamaConfig(**vars(cfg.model)), cfg.optim, cfg.trainer.max_steps)
+    module = LlamaLightningModule(cfg.model.llama_config(), cfg.optim, cfg.trainer.max_steps)
     batch = torch.zeros(cfg.data.micro_batch_size, cfg.data.seq_len + 1, dtype=torch.int64)
     logits = module.model(batch[:, :-1])
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
@@ -183,6 +182,7 @@ def run() -> None:
     run_dir = environ[f"{ENV_PREFIX}RUN_DIR"]
     cfg = load_run_config(Path(run_dir))
     torch.set_num_threads(cfg.launcher.threads_per_rank)
+    preload(cfg)
     assert cfg.data.path is not None, "the launcher resolves data.path before starting workers"
     tokens = IndexedTokens(cfg.data.path).tokens
     store = connect_store(host, port, cfg.launcher.start_timeout_s)

@@ -31,6 +31,7 @@ from nemo.lightning import MegatronStrategy
 from typing_extensions import override
 
 from nemo_checkpointless.nemo.adapter import MegatronParticipant
+from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.topology import ParallelDims, rank_info
 
 
@@ -69,6 +70,8 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.pg_store: Any = None
         self.resume: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
         self.resume_step = 0
+        self.checkpoints: CheckpointStore | None = None
+        self.checkpoint_every = 0
 
     def use_generation(self, pg_store: Any,
                        resume: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None) -> None:
@@ -78,6 +81,12 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.pg_store = pg_store
         self.resume = resume
         self.resume_step = int(resume[1]["step"]) if resume is not None else 0
+
+    def use_checkpoints(self, checkpoints: CheckpointStore | None, every_n_steps: int) -> None:
+        """Write the persistent fallback checkpoint every `every_n_steps` steps, at the step boundary: each rank of
+        the first optimizer instance writes its whole state (parameters, shard, RNG) as shard `shard_index`."""
+        self.checkpoints = checkpoints
+        self.checkpoint_every = every_n_steps if checkpoints is not None else 0
 
     def job_dims(self) -> ParallelDims:
         """The job's layout in our topology's terms (raises `ConfigError` naming the key when it is invalid)."""
@@ -161,6 +170,10 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         if self.resume is not None:
             self.participant.load_state(*self.resume)
             self.resume = None  # the tensors belong to the previous fit's model: drop them once loaded
+            # The LR schedule continues from the loaded step (the loaded param groups hold its current LR; the
+            # next scheduler step computes the LR of the step after it).
+            for config in self.lr_scheduler_configs:
+                config.scheduler.last_epoch = self.resume_step
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -184,8 +197,13 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
 
     @override
     def training_step(self, dataloader_iter: Any, *args: Any, **kwargs: Any) -> Any:
-        assert self.participant is not None
-        self.participant.at_step_boundary(self.trainer.global_step)
+        assert self.participant is not None and self.dims is not None
+        step = self.trainer.global_step
+        self.participant.at_step_boundary(step)
+        every = self.checkpoint_every
+        if (every and step and step % every == 0 and step != self.resume_step and self.checkpoints is not None
+                and rank_info(self.dims, self.global_rank).instance == 0):
+            self.checkpoints.save_shard(step, self.participant.shard_index, *self.participant.boundary_state())
         return super().training_step(dataloader_iter, *args, **kwargs)
 
     @override

@@ -1,9 +1,11 @@
 """The persistent fallback checkpoint: used only when no live peer can restore the state.
 
 Layout: `DIR/step_<NNNNNNNN>/shard_<p>.bin` (a `state.packing` buffer: raw tensor bytes + JSON, no pickle) with
-`shard_<p>.json` beside it (size and sha256). Instance 0 writes it: the rank at shard position p writes shard p,
-and shard 0 also carries the full parameters. A step directory is usable only when every shard is present and
-verifies; `latest(max_step)` returns the newest such step, so a half-written or corrupt checkpoint is skipped.
+`shard_<p>.json` beside it (size and sha256). Instance 0 writes it: the rank at shard position p writes shard p.
+Tensors that are equal on every shard (the full parameters of a data-parallel job) may be written by shard 0 only:
+it names their prefix (`shared_prefix`), and `load_rank_state` adds them to every other shard it reads. A step
+directory is usable only when every shard is present and verifies; `latest(max_step)` returns the newest such
+step, so a half-written or corrupt checkpoint is skipped.
 Files are private to the user (0600, directories 0700) and written under temporary names, then renamed.
 """
 
@@ -31,8 +33,12 @@ class CheckpointStore:
     def _step_dir(self, step: int) -> Path:
         return self.dir / f"step_{step:08d}"
 
-    def save_shard(self, step: int, shard: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """Write shard `shard` of step `step` (one rank per shard calls this; no collective)."""
+    def save_shard(self, step: int, shard: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                   shared_prefix: str | None = None) -> None:
+        """Write shard `shard` of step `step` (one rank per shard calls this; no collective). With `shared_prefix`,
+        the tensors named so are equal on every shard: shard 0 keeps them, the others drop them."""
+        if shared_prefix is not None and shard != 0:
+            tensors = {k: v for k, v in tensors.items() if not k.startswith(shared_prefix)}
         d = self._step_dir(step)
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         buf = pack(tensors, meta)
@@ -44,7 +50,8 @@ class CheckpointStore:
         side = d / f".shard_{shard}.json.tmp"
         fd = os.open(side, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"step": step, "shard": shard, "nbytes": buf.numel(), "sha256": checksum(buf)}, f)
+            json.dump({"step": step, "shard": shard, "nbytes": buf.numel(), "sha256": checksum(buf),
+                       "shared_prefix": shared_prefix}, f)
         side.replace(d / f"shard_{shard}.json")
 
     def _complete(self, step: int) -> bool:
@@ -71,3 +78,14 @@ class CheckpointStore:
         if buf.numel() != side["nbytes"] or checksum(buf) != side["sha256"]:
             raise ValueError(f"checkpoint {d / f'shard_{shard}.bin'} does not match its checksum")
         return unpack(buf)
+
+    def load_rank_state(self, step: int, shard: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """A rank's whole state at `step`: its shard, plus the tensors shard 0 holds for every shard."""
+        tensors, meta = self.load_shard(step, shard)
+        if shard != 0:
+            side = json.loads((self._step_dir(step) / "shard_0.json").read_text())
+            prefix = side.get("shared_prefix")
+            if prefix:
+                shared, _ = self.load_shard(step, 0)
+                tensors.update({k: v for k, v in shared.items() if k.startswith(prefix)})
+        return tensors, meta

@@ -277,8 +277,4 @@ class RecoveryEngine:
         if step == 0:
             return
         assert self.checkpoints is not None
-        tensors, meta = self.checkpoints.load_shard(step, self.shard_index)
-        if self.shard_index != 0:
-            params, _ = self.checkpoints.load_shard(step, 0)
-            tensors.update({k: v for k, v in params.items() if k.startswith("param.")})
-        participant.load_state(tensors, meta)
+        participant.load_state(*self.checkpoints.load_rank_state(step, self.shard_index))

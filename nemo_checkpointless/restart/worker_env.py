@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from nemo_checkpointless.restart.groups import Membership, connect_store
 
@@ -38,3 +40,13 @@ class WorkerEnv:
     def membership(self, timeout_s: float) -> Membership:
         store = connect_store(self.store_host, self.store_port, timeout_s)
         return Membership(store, self.rank, self.world_size, self.store_host, timeout_s)
+
+
+def preload(cfg: Any) -> None:
+    """Import the modules of `launcher.preload` (calling `install()` where a module has one): before a worker
+    builds anything, and for engine=nemo before NeMo and megatron-core are imported."""
+    for name in cfg.launcher.preload:
+        module = importlib.import_module(name)
+        install = getattr(module, "install", None)
+        if callable(install):
+            install()

@@ -1,0 +1,107 @@
+"""Our token data (tier 2's exact position) as a NeMo 2 data module, and the record of what each step trained on.
+
+`PlannedSamples` maps a global data position (what Megatron's pretraining sampler reads, in order: position
+`consumed_samples + k`) to a sample through the same `GlobalBatchPlan` as the Lightning path: position
+`s * GB + r * mb + k` is sample `plan.sample_ids(s, r)[k]`. So a step's micro-batches are the Lightning path's for
+the same seed, data, micro-batch size and DP size, and the data position at step s is `s * GB` samples: O(1) to
+restore, whatever s (`CheckpointlessMegatronStrategy.process_dataloader` sets it).
+
+`recording_data_step` is the model's `data_step_fn`: it hashes each micro-batch the step actually consumes (inputs
+plus the last label, the Lightning path's batch) before handing it to NeMo's `gpt_data_step`; `take_step_digest`
+returns the step's digest. Importing this module imports NeMo (the [nemo] extra).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from nemo.lightning.pytorch.plugins import MegatronDataSampler
+
+from nemo_checkpointless.data.sampling import GlobalBatchPlan, IndexPermutation, TokenSequences
+from nemo_checkpointless.state.hashing import batch_hash
+
+_RECORDED: list[bytes] = []  # this process's micro-batch hashes since the last `take_step_digest`
+
+
+class PlannedSamples(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Item i is the sample at global data position i (see the module doc), as NeMo's GPT batch dict."""
+
+    def __init__(self, sequences: TokenSequences, plan: GlobalBatchPlan, length: int,
+                 attention_mask: bool) -> None:
+        self.sequences, self.plan, self.length = sequences, plan, length
+        seq_len = sequences.seq_len
+        self.loss_mask = torch.ones(seq_len, dtype=torch.float32)
+        self.position_ids = torch.arange(seq_len, dtype=torch.int64)
+        # Megatron's convention: True marks a position that must not be attended to.
+        self.mask = torch.ones(seq_len, seq_len).tril().unsqueeze(0) < 0.5 if attention_mask else None
+        self._cache: dict[int, IndexPermutation] = {}
+
+    def __len__(self) -> int:
+        return self.length
+
+    def sample_id(self, position: int) -> int:
+        step, k = divmod(position, self.plan.global_batch_size)
+        dp_rank, j = divmod(k, self.plan.micro_batch_size)
+        return int(self.plan.sample_ids(step, dp_rank, self._cache)[j])
+
+    def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
+        seq = self.sequences[self.sample_id(position)]
+        item = {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": self.loss_mask, "position_ids": self.position_ids}
+        if self.mask is not None:
+            item["attention_mask"] = self.mask
+        return item
+
+
+class PlannedDataModule(pl.LightningDataModule):
+    """A NeMo-compatible data module over `PlannedSamples` (train only), with Megatron's data sampler.
+
+    Args:
+        tokens: the token stream (`IndexedTokens(...).tokens`).
+        seq_len, micro_batch_size, dp_size, seed, shuffle: as `data.*` and the job's DP size.
+        global_batch_size: micro_batch_size x DP x gradient accumulation.
+        max_steps: the dataset is `max_steps * global_batch_size` positions long (epochs repeat, each reshuffled).
+        attention_mask: build the causal mask (needed without Transformer Engine).
+    """
+
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, micro_batch_size: int, dp_size: int,
+                 global_batch_size: int, seed: int, shuffle: bool, max_steps: int, attention_mask: bool) -> None:
+        super().__init__()
+        self.sequences = TokenSequences(tokens, seq_len)
+        plan = GlobalBatchPlan(len(self.sequences), micro_batch_size, dp_size, seed, shuffle)
+        self.dataset = PlannedSamples(self.sequences, plan, max_steps * global_batch_size, attention_mask)
+        self.seq_length = seq_len
+        self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
+        self.data_sampler = MegatronDataSampler(seq_len=seq_len, micro_batch_size=micro_batch_size,
+                                                global_batch_size=global_batch_size)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        return torch.utils.data.DataLoader(self.dataset, num_workers=0, pin_memory=False)
+
+
+def recording_data_step(dataloader_iter: Any, use_mtp: bool = False) -> dict[str, torch.Tensor]:
+    """NeMo's `gpt_data_step`, after recording the hash of the micro-batch it consumes."""
+    from nemo.collections.llm.gpt.model.base import gpt_data_step
+
+    batch = next(dataloader_iter)
+    fields = batch[0] if isinstance(batch, tuple) and len(batch) == 3 else batch
+    _RECORDED.append(batch_hash(torch.cat([fields["tokens"], fields["labels"][:, -1:]], dim=1)))
+    return gpt_data_step(iter([batch]), use_mtp)
+
+
+def take_step_digest() -> bytes | None:
+    """The digest of the micro-batches consumed since the last call (one: its hash; several: the hash of their
+    hashes, in order); None if none was."""
+    hashes = list(_RECORDED)
+    _RECORDED.clear()
+    if not hashes:
+        return None
+    return hashes[0] if len(hashes) == 1 else hashlib.sha256(b"".join(hashes)).digest()
+
+
+def clear_recorded() -> None:
+    """Forget micro-batches of a step that did not complete (a failure interrupted it)."""
+    _RECORDED.clear()

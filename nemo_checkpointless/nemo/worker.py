@@ -1,0 +1,394 @@
+"""A rank (or hot spare) of an `engine=nemo` job: `python -m nemo_checkpointless.nemo.worker`, started by the
+launcher (`checkpointless-train recipe=tiny_llama_nemo ...`).
+
+It trains the recipe's Llama with NeMo 2 (`llm.GPTModel`, `nl.Trainer`, `CheckpointlessMegatronStrategy`:
+Megatron's distributed optimizer with `replication.num_instances` instances) on our token data
+(`nemo.data.PlannedDataModule`), and recovers in process (`nemo.restart`):
+
+- every generation's `fit` runs on a default group made from the launcher's store (prefix `nemo/gen<g>/`) whose
+  collective timeout is `launcher.collective_timeout_s`;
+- a failure makes every survivor leave `fit` in its own process (`FaultWatch` ends the collectives stuck on gloo
+  as soon as the launcher declares it). A survivor whose collective timed out with no failure declared reports a
+  hang, and the launcher's watchdog finds the hung rank and kills it. The survivor then runs
+  `RecoveryEngine.recover` (sending its state if it is a replacement's source) and enters `fit` again with its
+  own boundary state, kept in memory;
+- a hot spare handed a rank runs `RecoveryEngine.join` and enters `fit` with the state it received p2p;
+- when no live replica can help, every rank enters `fit` again from the newest persistent checkpoint
+  (`checkpoint.every_n_steps`; without one, the seeded initial state). `launcher.on_failure=restart_all` starts
+  every rank from it.
+
+Rank 0 writes RUN_DIR/worker_summary.json: the final step, `state_sha256` (every rank's parameters and optimizer
+shard, in rank order: equal runs give equal hashes for the same layout) and `data_sha256` (the global batches,
+defined as on the Lightning path, so the two engines agree on it for the same data settings). Each rank publishes
+the hash of what it trained on at every step under `data/<step>/<rank>` in the launcher's store.
+
+Modules in `launcher.preload` are imported first (and their `install()` called, if they have one), before NeMo or
+megatron-core: on a CPU machine, the test suite's CPU shim (`PYTHONPATH=tests`, `launcher.preload=[nemo_shim]`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nemo_checkpointless.config import Config, load_run_config
+from nemo_checkpointless.launcher.local import spare_assign_key, spare_ready_key
+from nemo_checkpointless.replication.checkpoint import CheckpointStore
+from nemo_checkpointless.restart.groups import (
+    Membership,
+    PeerFailure,
+    alive_key,
+    connect_store,
+    fault_generation,
+    hang_key,
+)
+from nemo_checkpointless.restart.recovery import RecoveryEngine, RecoveryStamps, RestartFromCheckpoint
+from nemo_checkpointless.restart.worker_env import ENV_PREFIX, preload
+from nemo_checkpointless.state.hashing import DataDigest, state_digest
+
+TRAIN_START_KEY = "job/train_start"
+WORKER_SUMMARY = "worker_summary.json"
+State = tuple[dict[str, torch.Tensor], dict[str, Any]]
+
+
+class InjectedFault(RuntimeError):
+    """The `exception` fault of a fault plan: the rank leaves with an error (the launcher replaces it)."""
+
+
+def data_key(step: int, rank: int) -> str:
+    return f"data/{step}/{rank}"
+
+
+def injected_key(index: int) -> str:
+    return f"job/fault/{index}/injected"
+
+
+# ------------------------------------------------------------------------------------------------- building
+def build_model(cfg: Config) -> Any:
+    """The recipe's Llama as NeMo's `llm.GPTModel`, with Megatron's distributed optimizer (AdamW, warm-up then
+    cosine to `optim.min_lr`) and our recording data step. On CPU: fp32, no fusions, megatron's local layer spec."""
+    from megatron.core.optimizer import OptimizerConfig
+    from nemo import lightning as nl
+    from nemo.collections import llm
+    from nemo.collections.llm.gpt.model.llama import Llama3Config
+    from nemo.lightning.pytorch.optim import CosineAnnealingScheduler
+
+    from nemo_checkpointless.nemo.data import recording_data_step
+
+    m, o, cpu = cfg.model, cfg.optim, cfg.trainer.accelerator == "cpu"
+    bf16 = cfg.trainer.precision == "bf16-mixed"
+    options: dict[str, Any] = {}
+    if cpu:
+        from nemo.collections.llm.gpt.model.base import local_layer_spec
+
+        options = dict(use_cpu_initialization=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                       persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+                       bias_activation_fusion=False, transformer_layer_spec=local_layer_spec)
+    # Megatron DDP does not broadcast the initial parameters: every rank must build the same ones.
+    torch.manual_seed(cfg.seed)
+    config = Llama3Config(
+        num_layers=m.n_layers, hidden_size=m.d_model, ffn_hidden_size=m.ffn_hidden, num_attention_heads=m.n_heads,
+        num_query_groups=m.n_kv_heads, seq_length=cfg.data.seq_len, rotary_base=int(m.rope_theta),
+        layernorm_epsilon=m.norm_eps, share_embeddings_and_output_weights=m.tie_embeddings,
+        init_method_std=m.init_std, hidden_dropout=m.dropout, attention_dropout=m.dropout,
+        make_vocab_size_divisible_by=128, params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16,
+        fp16=False, data_step_fn=recording_data_step, **options)
+    optim = nl.MegatronOptimizerModule(
+        config=OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                               adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.grad_clip,
+                               use_distributed_optimizer=True, bf16=bf16, fp16=False,
+                               params_dtype=torch.bfloat16 if bf16 else torch.float32),
+        lr_scheduler=CosineAnnealingScheduler(max_steps=cfg.trainer.max_steps, warmup_steps=o.warmup_steps,
+                                              constant_steps=0, min_lr=o.min_lr))
+    return llm.GPTModel(config, tokenizer=_Vocabulary(m.vocab_size), optim=optim)
+
+
+class _Vocabulary:
+    """What `llm.GPTModel` reads of a tokenizer when it is given token ids: the vocabulary size."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+
+def build_data(cfg: Config, tokens: Any) -> Any:
+    from nemo_checkpointless.nemo.data import PlannedDataModule
+
+    dims = cfg.dims()
+    return PlannedDataModule(tokens, seq_len=cfg.data.seq_len, micro_batch_size=cfg.data.micro_batch_size,
+                             dp_size=dims.dp_cp, global_batch_size=global_batch_size(cfg), seed=cfg.seed,
+                             shuffle=cfg.data.shuffle, max_steps=cfg.trainer.max_steps,
+                             attention_mask=cfg.trainer.accelerator == "cpu")
+
+
+def global_batch_size(cfg: Config) -> int:
+    return cfg.data.micro_batch_size * cfg.dims().dp_cp * cfg.trainer.accumulate_grad_batches
+
+
+# ------------------------------------------------------------------------------------------- the callback
+class _StepHooks:
+    """Per step: fault injection, the data record, recovery timing stamps; at the end: the digests. Built as a
+    Lightning callback by `_callback()` (so this module imports without Lightning being loaded first)."""
+
+    def __init__(self, cfg: Config, rank: int, world: int, run_dir: Path, engine: RecoveryEngine,
+                 stamps: RecoveryStamps) -> None:
+        self.cfg, self.rank, self.world, self.run_dir = cfg, rank, world, run_dir
+        self.engine, self.stamps = engine, stamps
+
+    @property
+    def store(self) -> dist.Store:
+        return self.engine.store
+
+    def batch_start(self, step: int) -> None:
+        """`step` is 1-based, as `fault.plan` counts."""
+        if self.rank == 0 and not self.store.check([TRAIN_START_KEY]):
+            self.store.set(TRAIN_START_KEY, json.dumps(time.time()))
+        for i, spec in enumerate(self.cfg.fault.plan):
+            if spec.rank != self.rank or spec.step != step or self.store.check([injected_key(i)]):
+                continue
+            self.store.set(injected_key(i), json.dumps({"t": time.time(), "kind": spec.kind, "rank": self.rank,
+                                                        "step": step}))
+            print(f"[rank {self.rank}] injected fault: {spec.kind} at step {step}", flush=True)
+            if spec.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif spec.kind == "hang":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif spec.kind == "corrupt":
+                self.engine.corrupt_next_send = True
+            else:
+                raise InjectedFault(f"injected fault: exception on rank {self.rank} at step {step}")
+
+    def batch_end(self, completed_steps: int) -> None:
+        from nemo_checkpointless.nemo.data import take_step_digest
+
+        digest = take_step_digest()
+        if digest is not None:
+            self.store.set(data_key(completed_steps, self.rank), digest.hex())
+        self.stamps.stamp(completed_steps)
+
+    def train_end(self, strategy: Any, completed_steps: int) -> None:
+        part = strategy.participant
+        part.at_step_boundary(completed_steps)
+        tensors, _ = part.boundary_state()
+        params = state_digest({k: v for k, v in tensors.items() if k.startswith("model.")}, {})
+        shard = state_digest({k: v for k, v in tensors.items() if k.startswith("opt")}, {})
+        self.store.set(f"final/{completed_steps}/{self.rank}", f"{params}:{shard}")
+        record = {"rank": self.rank, "pid": os.getpid(), "step": completed_steps, "params_sha256": params,
+                  "shard_sha256": shard,
+                  "rng_sha256": state_digest({k: v for k, v in tensors.items() if k.startswith("rng.")}, {})}
+        (self.run_dir / f"nemo_rank{self.rank}.json").write_text(json.dumps(record, indent=1))
+        if self.rank != 0:
+            return
+        wait = datetime.timedelta(seconds=self.cfg.launcher.collective_timeout_s + 60)
+        finals = [f"final/{completed_steps}/{r}" for r in range(self.world)]
+        steps = [data_key(s, r) for s in range(1, completed_steps + 1) for r in range(self.world)]
+        self.store.wait(finals + steps, wait)
+        state = hashlib.sha256("|".join(self.store.get(k).decode() for k in finals).encode()).hexdigest()
+        data = DataDigest()
+        for s in range(1, completed_steps + 1):
+            data.update([bytes.fromhex(self.store.get(data_key(s, r)).decode()) for r in range(self.world)])
+        summary = {"final_step": completed_steps, "state_sha256": state, "data_sha256": data.hexdigest,
+                   "data_steps": data.steps, "train_end_t": time.time()}
+        tmp = self.run_dir / f".{WORKER_SUMMARY}.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        tmp.replace(self.run_dir / WORKER_SUMMARY)
+
+
+_HOOKS: list[_StepHooks] = []  # NeMo deep-copies callbacks for its io config: the hooks (a store) live here
+
+
+def _callback() -> Any:
+    import lightning.pytorch as pl
+
+    class StepHooks(pl.Callback):
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            if torch.cuda.device_count() == 0:
+                # NeMo seeds Megatron's model-parallel RNG tracker only when it sees a GPU (megatron_init).
+                from megatron.core import tensor_parallel
+
+                tensor_parallel.model_parallel_cuda_manual_seed(_HOOKS[0].cfg.seed)
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            _HOOKS[0].batch_start(trainer.global_step + 1)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            _HOOKS[0].batch_end(trainer.global_step)
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            _HOOKS[0].train_end(trainer.strategy, trainer.global_step)
+
+    return StepHooks()
+
+
+# ------------------------------------------------------------------------------------------------ the rank
+def _wait_for_assignment(store: dist.Store, spare_id: int) -> dict[str, int]:
+    while True:
+        try:
+            store.wait([spare_assign_key(spare_id)], datetime.timedelta(seconds=60))
+            return dict(json.loads(store.get(spare_assign_key(spare_id))))
+        except RuntimeError:
+            continue
+
+
+def _wait_for_fault(store: dist.Store, generation: int, patience_s: float) -> bool:
+    deadline = time.monotonic() + patience_s
+    while time.monotonic() < deadline:
+        if fault_generation(store) >= generation:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _timed_out(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _checkpoint_state(engine: RecoveryEngine, step: int) -> State | None:
+    from nemo_checkpointless.nemo.restart import ReceivedState
+
+    received = ReceivedState()
+    engine.load_checkpoint(received, step)
+    return received.state
+
+
+def run() -> None:
+    environ = os.environ
+    host, port = environ[f"{ENV_PREFIX}STORE_HOST"], int(environ[f"{ENV_PREFIX}STORE_PORT"])
+    run_dir = Path(environ[f"{ENV_PREFIX}RUN_DIR"])
+    cfg = load_run_config(run_dir)
+    torch.set_num_threads(cfg.launcher.threads_per_rank)
+    preload(cfg)
+    # NeMo and megatron-core only now, after the preload (a spare is warm once these imports are done).
+    from nemo import lightning as nl
+
+    from nemo_checkpointless.data.indexed import IndexedTokens
+    from nemo_checkpointless.nemo.data import clear_recorded
+    from nemo_checkpointless.nemo.restart import FaultWatch, ReceivedState, abandon_default_group, own_boundary_state
+    from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
+
+    assert cfg.data.path is not None, "the launcher resolves data.path before starting workers"
+    tokens = IndexedTokens(cfg.data.path).tokens
+    store = connect_store(host, port, cfg.launcher.start_timeout_s)
+    world = cfg.trainer.world_size
+    join_generation = restart_generation = 0
+    if f"{ENV_PREFIX}SPARE_ID" in environ:
+        spare_id = int(environ[f"{ENV_PREFIX}SPARE_ID"])
+        store.set(spare_ready_key(spare_id), "1")
+        assignment = _wait_for_assignment(store, spare_id)
+        rank, join_generation = assignment["rank"], assignment["generation"]
+    else:
+        rank = int(environ["RANK"])
+        join_generation = int(environ.get(f"{ENV_PREFIX}JOIN_GENERATION", "0"))
+        restart_generation = int(environ.get(f"{ENV_PREFIX}RESTART_GENERATION", "0"))
+    local = rank % cfg.trainer.devices
+    environ.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
+                   NODE_RANK=str(rank // cfg.trainer.devices))
+    dims = cfg.dims()
+    timeout = cfg.launcher.collective_timeout_s
+    # The engine's collectives wait out a survivor still stuck in a NeMo collective until its timeout.
+    membership = Membership(store, rank, world, host, 2 * timeout + 60)
+    ckpt_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
+    checkpoints = CheckpointStore(ckpt_dir, dims.shard_size) if cfg.checkpoint.every_n_steps else None
+    engine = RecoveryEngine(membership, dims, checkpoints, verify_checksum=cfg.replication.checksum)
+    stamps = RecoveryStamps(store, rank)
+    _HOOKS.append(_StepHooks(cfg, rank, world, run_dir, engine, stamps))
+    resume: State | None = None
+    if join_generation:
+        membership.generation = join_generation - 1
+        received = ReceivedState()
+        decision = engine.join(received, join_generation)
+        resume = received.state
+        stamps.track(membership.generation)
+        source = (f"a replica (p2p, {engine.bytes_received} bytes)" if decision.path == "p2p" else
+                  "the checkpoint" if decision.step else "the seeded initial state")
+        print(f"[rank {rank}] joined generation {membership.generation}: state of step {decision.step} from {source}",
+              flush=True)
+    elif restart_generation:  # launcher.on_failure=restart_all: every rank starts from the newest checkpoint
+        membership.generation = restart_generation
+        step = checkpoints.latest(cfg.trainer.max_steps) if checkpoints is not None else 0
+        resume = _checkpoint_state(engine, step)
+        stamps.track(restart_generation)
+    while True:
+        generation = membership.generation
+        model, data = build_model(cfg), build_data(cfg, tokens)
+        strategy = CheckpointlessMegatronStrategy(
+            num_instances=cfg.replication.num_instances, global_batch_size=global_batch_size(cfg),
+            tensor_model_parallel_size=cfg.parallel.tp, pipeline_model_parallel_size=cfg.parallel.pp,
+            context_parallel_size=cfg.parallel.cp, sequence_parallel=cfg.parallel.sequence_parallel and
+            cfg.parallel.tp > 1, ckpt_async_save=False, pg_timeout_s=timeout)
+        strategy.use_generation(dist.PrefixStore(f"nemo/gen{generation}/", store), resume)
+        strategy.use_checkpoints(checkpoints, cfg.checkpoint.every_n_steps)
+        resume = None
+        plugins = [nl.MegatronMixedPrecision(precision="bf16-mixed")] if cfg.trainer.precision == "bf16-mixed" else []
+        trainer = nl.Trainer(accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices,
+                             num_nodes=cfg.trainer.num_nodes, max_steps=cfg.trainer.max_steps, strategy=strategy,
+                             plugins=plugins, logger=False, enable_checkpointing=False, limit_val_batches=0,
+                             num_sanity_val_steps=0, enable_progress_bar=False, callbacks=[_callback()],
+                             log_every_n_steps=cfg.trainer.log_every_n_steps)
+        watch = FaultWatch(store, generation, keep_ports={port})
+        try:
+            with watch:
+                trainer.fit(model, datamodule=data)
+            return
+        except InjectedFault:
+            raise
+        except Exception as e:  # a peer failed (a gloo error, or the timeout of a collective it never joined)
+            clear_recorded()
+            if fault_generation(store) < generation:
+                # Nobody has died (yet): check in, and if a collective timed out, ask the launcher to find a hang.
+                store.set(alive_key(generation, rank), json.dumps(time.time()))
+                if _timed_out(e):
+                    store.set(hang_key(generation), json.dumps({"rank": rank, "t": time.time()}))
+            if not _wait_for_fault(store, generation, patience_s=2 * timeout + 10):
+                raise
+            t = time.time()
+            part = strategy.participant
+            if part is None:  # failed before the model existed: nothing of this fit to keep
+                raise
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            if watch.fired_t is not None:
+                why += f" (fault watch closed {watch.closed} sockets)"
+            print(f"[rank {rank}] left fit at step {part.completed_steps}: {why}", flush=True)
+            resume = own_boundary_state(part)
+            try:
+                decision = engine.recover(part, PeerFailure(f"{type(e).__name__} in NeMo's fit"))
+                how = f"p2p at step {decision.step}"
+            except RestartFromCheckpoint as restart:
+                resume = _checkpoint_state(engine, restart.decision.step)
+                how = f"from the checkpoint of step {restart.decision.step} ({restart.decision.reason})"
+            del part, strategy, trainer, model, data
+            abandoned = abandon_default_group()
+            stamps.track(membership.generation)
+            print(f"[rank {rank}] recovered {how} in {time.time() - t:.2f} s (generation {membership.generation}, "
+                  f"{abandoned} old groups abandoned); entering fit again", flush=True)
+
+
+def main() -> int:
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    code = 0
+    try:
+        run()
+    except BaseException:  # the traceback goes to this rank's log; the launcher sees the exit code
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # abandoned gloo groups must not be torn down at exit
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
