@@ -1,9 +1,15 @@
-"""NeMo tiny Llama under our launcher, 4 CPU ranks (gloo + the test-only shim), 2 optimizer instances, 1 hot spare:
-rank 1 is SIGKILLed when it starts step 4; the survivors keep their processes, leave `fit`, agree with the spare
-through the recovery engine, the spare receives rank 1's shard from its replica (rank 3) p2p, and every rank
-enters `fit` again on generation 1's default group. The run must end bitwise-equal to the fault-free run.
+"""`checkpointless-train recipe=tiny_llama_nemo`: NeMo 2 tiny Llama (dropout on, warm-up LR schedule) on 4 CPU ranks
+(gloo + the test-only shim, `launcher.preload=[nemo_shim]`), 2 optimizer instances, hot spares, every run compared
+with the fault-free one:
 
-Two launches of `tests/nemo_recovery_run.py` (~35 s and ~45 s on 2 cores). Skipped without the [nemo] extra.
+- a kill (p2p from the replica, in process: survivors keep their pids) and then a SIGSTOP hang (found by the
+  collective timeout and the launcher's watchdog, then p2p) in one run;
+- both replicas of one shard lost at once (a kill and an exception): the job falls back by itself to the
+  persistent checkpoint of step 3 (our packed format) and replays from there;
+- the fault-free run's `data_sha256` equals the plain-Lightning engine's for the same data settings: both train on
+  the same global batches in the same order.
+
+Four launches (~50 s, ~80 s, ~50 s on 2 cores, and a 10 s Lightning run). Skipped without the [nemo] extra.
 """
 
 from __future__ import annotations
@@ -19,43 +25,87 @@ import pytest
 
 pytestmark = [pytest.mark.nemo, pytest.mark.slow]
 
-SCRIPT = Path(__file__).resolve().parent / "nemo_recovery_run.py"
+TESTS = Path(__file__).resolve().parent
 STEPS = 8
-LAUNCH_TIMEOUT_S = 300
+LAUNCH_TIMEOUT_S = 400
+COMMON = [f"trainer.max_steps={STEPS}", "launcher.collective_timeout_s=8", "checkpoint.every_n_steps=3",
+          "launcher.max_restarts=3", "trainer.progress_bar=false"]
+NEMO = ["recipe=tiny_llama_nemo", "launcher.preload=[nemo_shim]", "model.dropout=0.1", *COMMON]
 
 
-def _launch(run_dir: Path, *faults: str) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def _train(run_dir: Path, *overrides: str) -> dict[str, Any]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     env.pop("PYTEST_CURRENT_TEST", None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(run_dir), str(STEPS), *faults], env=env,
-                          cwd=SCRIPT.parent.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.run([sys.executable, "-m", "nemo_checkpointless.cli.train", f"run.dir={run_dir}", *overrides],
+                          env=env, cwd=TESTS.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           timeout=LAUNCH_TIMEOUT_S, check=False)
     log = proc.stdout.decode(errors="replace")
     logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
                      for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{log[-5000:]}\n{logs}"
     summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
-    ranks = {r: json.loads((run_dir / f"nemo_rank{r}.json").read_text()) for r in range(4)}
-    return summary, ranks
+    summary["ranks"] = {r: json.loads((run_dir / f"nemo_rank{r}.json").read_text())
+                        for r in range(4) if (run_dir / f"nemo_rank{r}.json").exists()}
+    return summary
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    summary = _train(tmp_path_factory.mktemp("nemo") / "faultfree", *NEMO)
+    assert summary["final_step"] == STEPS and summary["recoveries"] == []
+    assert summary["state_sha256"] and summary["data_sha256"]
+    return summary
+
+
+def _assert_equal_to(reference: dict[str, Any], summary: dict[str, Any]) -> None:
+    assert summary["final_step"] == STEPS
+    assert summary["state_sha256"] == reference["state_sha256"], json.dumps(summary["recoveries"], indent=1)
+    assert summary["data_sha256"] == reference["data_sha256"], "a batch was repeated or skipped"
+    for r in range(4):
+        for key in ("params_sha256", "shard_sha256", "rng_sha256"):
+            assert summary["ranks"][r][key] == reference["ranks"][r][key], f"rank {r}: {key} differs"
 
 
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)
-def test_kill_a_rank_recovers_p2p_in_process_and_ends_bitwise_equal(tmp_path: Path) -> None:
-    reference, ref_ranks = _launch(tmp_path / "faultfree")
-    assert reference["final_step"] == STEPS and reference["recoveries"] == []
-    summary, ranks = _launch(tmp_path / "kill", "1:4")
-    assert summary["final_step"] == STEPS
-    assert summary["state_sha256"] == reference["state_sha256"], json.dumps(summary["recoveries"], indent=1)
-    for r in range(4):
-        for key in ("params_sha256", "shard_sha256", "rng_sha256"):
-            assert ranks[r][key] == ref_ranks[r][key], f"rank {r}: {key} differs from the fault-free run"
+def test_nemo_data_order_is_the_lightning_engines(reference: dict[str, Any], tmp_path: Path) -> None:
+    lightning = _train(tmp_path / "lightning", "recipe=tiny_llama_cpu", *COMMON)
+    assert lightning["data_sha256"] == reference["data_sha256"]
+
+
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)
+def test_kill_then_hang_recover_p2p_in_process_and_end_bitwise_equal(reference: dict[str, Any],
+                                                                   tmp_path: Path) -> None:
+    summary = _train(tmp_path / "kill-hang", *NEMO, "replication.spares=2",
+                     "fault.plan=[{kind:kill,rank:1,step:4},{kind:hang,rank:2,step:7}]")
+    _assert_equal_to(reference, summary)
+    kill, hang = summary["recoveries"]
+    assert kill["failed_ranks"] == [1] and kill["fault_kind"] == "kill" and kill["path"] == "p2p", kill
+    assert kill["step"] == 4 and kill["resumed_from_step"] == 3 and kill["steps_lost"] == 0, kill
+    assert kill["bytes_received"] > 0 and kill["replacement"] == {"1": "warm spare"}, kill
+    assert hang["failed_ranks"] == [2] and hang["fault_kind"] == "hang" and hang["path"] == "p2p", hang
+    assert hang["step"] == 7 and hang["steps_lost"] == 0 and hang["bytes_received"] > 0, hang
+    # The hang is found by a collective timeout (8 s) and the watchdog's wait for check-ins (8 s at most).
+    assert 8 <= hang["detect_s"] < 30, hang
+    # Healthy ranks kept their processes and finished in them; ranks 1 and 2 were replaced once each.
+    for r in (0, 3):
+        assert summary["pids"][str(r)] == [summary["ranks"][r]["pid"]], summary["pids"]
+    for r in (1, 2):
+        assert len(summary["pids"][str(r)]) == 2 and summary["pids"][str(r)][1] == summary["ranks"][r]["pid"]
+    print(json.dumps(summary["recoveries"], indent=1))
+
+
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)
+def test_both_replicas_lost_falls_back_to_the_checkpoint_and_ends_bitwise_equal(reference: dict[str, Any],
+                                                                               tmp_path: Path) -> None:
+    # Ranks 1 and 3 hold the two replicas of shard 1 (Megatron's inter-instance group [1, 3]).
+    summary = _train(tmp_path / "both", *NEMO, "replication.spares=2",
+                     "fault.plan=[{kind:kill,rank:1,step:5},{kind:exception,rank:3,step:5}]")
+    _assert_equal_to(reference, summary)
     [rec] = summary["recoveries"]
-    assert rec["failed_ranks"] == [1] and rec["fault_kind"] == "kill" and rec["path"] == "p2p", rec
-    assert rec["step"] == 4 and rec["resumed_from_step"] == 3 and rec["steps_lost"] == 0, rec
-    assert rec["bytes_received"] > 0 and rec["replacement"] == {"1": "warm spare"}, rec
-    assert 0 < rec["recover_s"] < 60, rec
-    # Healthy ranks kept their processes (and finished in them); rank 1 was replaced once, by the spare.
-    for r in (0, 2, 3):
-        assert summary["pids"][str(r)] == [ranks[r]["pid"]], summary["pids"]
-    assert len(summary["pids"]["1"]) == 2 and summary["pids"]["1"][1] == ranks[1]["pid"]
+    assert rec["failed_ranks"] == [1, 3] and rec["path"] == "checkpoint", rec
+    assert rec["resumed_from_step"] == 3 and rec["steps_lost"] == 1 and rec["bytes_received"] == 0, rec
+    assert "both replicas" in rec["reason"], rec
+    for r in (0, 2):
+        assert summary["pids"][str(r)] == [summary["ranks"][r]["pid"]], summary["pids"]
     print(json.dumps(rec, indent=1))

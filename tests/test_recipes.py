@@ -3,6 +3,7 @@ parameter counts; bad recipe/cluster combinations stop with one clear message be
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,9 @@ from nemo_checkpointless.models import LlamaModel
 from nemo_checkpointless.planning import total_params
 
 # Published parameter counts (Meta's model cards), in billions.
+HAVE_NEMO = importlib.util.find_spec("nemo") is not None
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
 PUBLISHED_B = {
     "llama3_8b": 8.03,
     "llama31_8b": 8.03,
@@ -81,12 +85,18 @@ def test_llama_3_2_ties_embeddings_and_3_1_has_the_long_context() -> None:
         (["recipe=llama4_70b"], ["recipe=llama4_70b", "no such recipe", "did you mean recipe=llama3_70b"]),
         (["recipe=llama3_70b", "engine=megatron"], ["engine=megatron", "lightning, nemo"]),
         (["recipe=llama3_70b", "trainer.precision=fp8"], ["trainer.precision=fp8", "bf16-mixed"]),
-        # GPU/NeMo recipes validate, then stop: this command launches the Lightning engine only.
-        (["recipe=llama3_70b"], ["engine=nemo", "recipe=llama3_70b needs the NeMo engine on 16 node(s) x 8 GPUs",
+        # NeMo recipes validate, then must fit this machine (the local launcher; GPUs; NeMo; on CPU, a shim).
+        (["recipe=llama3_70b"], ["trainer.num_nodes=16", "launches the ranks of one machine",
                                  "checkpointless-plan recipe=llama3_70b trainer.num_nodes=16"]),
-        (["recipe=llama32_1b", "trainer.num_nodes=2"], ["engine=nemo", "2 node(s) x 8 GPUs",
+        (["recipe=llama32_1b", "trainer.num_nodes=2"], ["trainer.num_nodes=2",
                                                          "checkpointless-plan recipe=llama32_1b trainer.num_nodes=2"]),
-        (["recipe=tiny_llama_nemo"], ["engine=nemo", "4 CPU ranks", "recipe=tiny_llama_cpu"]),
+        pytest.param(["recipe=llama32_1b"], ["trainer.devices=8", f"needs 8 CUDA GPUs, this machine has {GPUS}"],
+                     marks=pytest.mark.skipif(GPUS >= 8, reason="this machine has 8 GPUs")),
+        (["recipe=tiny_llama_nemo"],
+         ["launcher.preload=[]", "PYTHONPATH=tests checkpointless-train recipe=tiny_llama_nemo launcher.preload="]
+         if HAVE_NEMO else ["engine=nemo", "NeMo 2, which is not installed", "pip install -e '.[nemo]'"]),
+        (["launcher.preload=[no_such_module_here]"], ["launcher.preload[0]=no_such_module_here", "PYTHONPATH"]),
+        (["launcher.preload=[tests/nemo_shim.py]"], ["launcher.preload[0]=tests/nemo_shim.py", "module name"]),
         # The plain-Lightning path refuses what it does not implement.
         (["trainer.accumulate_grad_batches=4"], ["trainer.accumulate_grad_batches=4", "only"]),
         (["trainer.precision=bf16-mixed"], ["trainer.precision=bf16-mixed", "32-true"]),

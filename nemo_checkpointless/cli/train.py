@@ -73,9 +73,6 @@ def check_engine(cfg: Config) -> None:
     if cfg.engine != "nemo":
         return
     t, recipe = cfg.trainer, cfg.recipe_name
-    if importlib.util.find_spec("nemo") is None:
-        raise ConfigError("engine", "nemo", f"recipe={recipe} runs on NeMo 2, which is not installed here",
-                          "pip install -e '.[nemo]' (nemo_toolkit 2.7.x; docs/getting_started.md)")
     if t.num_nodes != 1:
         raise ConfigError("trainer.num_nodes", t.num_nodes, "checkpointless-train launches the ranks of one machine",
                           f"size the cluster job with: checkpointless-plan recipe={recipe} "
@@ -87,7 +84,10 @@ def check_engine(cfg: Config) -> None:
         if have < t.devices:
             raise ConfigError("trainer.devices", t.devices, f"needs {t.devices} CUDA GPUs, this machine has {have}",
                               "use a GPU machine, or recipe=tiny_llama_nemo on CPU (docs/getting_started.md)")
-    elif not cfg.launcher.preload:
+    if importlib.util.find_spec("nemo") is None:
+        raise ConfigError("engine", "nemo", f"recipe={recipe} runs on NeMo 2, which is not installed here",
+                          "pip install -e '.[nemo]' (nemo_toolkit 2.7.x; docs/getting_started.md)")
+    if t.accelerator == "cpu" and not cfg.launcher.preload:
         raise ConfigError("launcher.preload", "[]", "engine=nemo on CPU needs megatron-core's CUDA-only calls "
                           "patched, which this package does not ship",
                           "use the test suite's CPU shim: PYTHONPATH=tests checkpointless-train "
