@@ -44,6 +44,8 @@ class ModelConfig:
     init_std: float = 0.02
     # Hidden and attention dropout (engine=nemo only; the plain-Lightning model has none).
     dropout: float = 0.0
+    # Llama 3.1 / 3.2 RoPE frequency scaling factor (8 / 32; 0: none). engine=nemo only (NeMo's Llama31Config).
+    rope_scale_factor: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
@@ -58,12 +60,15 @@ class ModelConfig:
                               "choose a divisor of model.n_heads")
         if not 0 <= self.dropout < 1:
             raise ConfigError("model.dropout", self.dropout, "must lie in [0, 1)", "use e.g. 0.0 or 0.1")
+        if self.rope_scale_factor < 0:
+            raise ConfigError("model.rope_scale_factor", self.rope_scale_factor, "must be >= 0",
+                              "use 0 (no scaling), 8 (Llama 3.1) or 32 (Llama 3.2)")
 
     def llama_config(self) -> Any:
-        """The model's own frozen config (`models.LlamaConfig`; dropout belongs to the NeMo engine only)."""
+        """The model's own frozen config (`models.LlamaConfig`; dropout and RoPE scaling belong to the NeMo engine)."""
         from nemo_checkpointless.models import LlamaConfig
 
-        return LlamaConfig(**{k: v for k, v in vars(self).items() if k != "dropout"})
+        return LlamaConfig(**{k: v for k, v in vars(self).items() if k not in ("dropout", "rope_scale_factor")})
 
 
 @dataclass

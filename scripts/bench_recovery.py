@@ -14,12 +14,17 @@ the step the fault interrupted is completed). Ratios are restart / p2p of the me
 the JSON file given by --out.
 
     python scripts/bench_recovery.py --kills 5 --out runs/bench/recovery.json
+    python scripts/bench_recovery.py --engine nemo --kills 3 --out runs/bench/recovery_nemo.json   # [nemo] extra
+
+`--engine nemo` runs `recipe=tiny_llama_nemo` (NeMo 2 + megatron-core on gloo, with the test suite's CPU shim:
+`launcher.preload=[nemo_shim]`, tests/ on PYTHONPATH) with kills GAP_NEMO steps apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -28,13 +33,17 @@ from pathlib import Path
 from typing import Any
 
 GAP = 40  # steps between kills: time for the refilled spare to finish its imports on 2 busy cores
+GAP_NEMO = 60  # a NeMo spare imports for ~20 s; a NeMo step is ~0.4 s here
+TESTS = Path(__file__).resolve().parent.parent / "tests"
 
 
 def run(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "nemo_checkpointless.cli.train", "trainer.progress_bar=false",
            f"run.dir={run_dir}", *overrides]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.exit(f"bench: {' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
@@ -52,22 +61,26 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--dir", default="runs/bench")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--engine", choices=("lightning", "nemo"), default="lightning")
     args = parser.parse_args()
-    base = Path(args.dir).absolute()
-    steps = GAP * args.kills + 10
-    faults = [(15 + GAP * i, (1 + i) % 4) for i in range(args.kills)]
+    base = Path(args.dir).absolute() / args.engine
+    gap = GAP_NEMO if args.engine == "nemo" else GAP
+    steps = gap * args.kills + 10
+    faults = [(15 + gap * i, (1 + i) % 4) for i in range(args.kills)]
     plan = "[" + ",".join(f"{{kind:kill,rank:{r},step:{s}}}" for s, r in faults) + "]"
-    common = [f"trainer.max_steps={steps}", "checkpoint.every_n_steps=10", "replication.num_instances=2",
+    engine = ["recipe=tiny_llama_nemo", "launcher.preload=[nemo_shim]"] if args.engine == "nemo" else []
+    common = [*engine, f"trainer.max_steps={steps}", "checkpoint.every_n_steps=10", "replication.num_instances=2",
               "replication.spares=1"]
     results = {
         "reference": run(base / "reference", common),
-        "plain": run(base / "plain", [f"trainer.max_steps={steps}", "replication.num_instances=1",
+        "plain": run(base / "plain", [*engine, f"trainer.max_steps={steps}", "replication.num_instances=1",
                                       "replication.spares=0", "checkpoint.every_n_steps=0"]),
         "p2p": run(base / "p2p", [*common, f"fault.plan={plan}"]),
         "restart": run(base / "restart", [*common, f"fault.plan={plan}", "launcher.on_failure=restart_all"]),
     }
     ref = results["reference"]
-    report: dict[str, Any] = {"job": {"steps": steps, "faults": faults, "world_size": ref["world_size"]}, "runs": {}}
+    report: dict[str, Any] = {"job": {"engine": args.engine, "steps": steps, "faults": faults,
+                                      "world_size": ref["world_size"]}, "runs": {}}
     for name, s in results.items():
         recs = s["recoveries"]
         report["runs"][name] = {

@@ -106,7 +106,8 @@ def check_lightning_path(cfg: Config) -> None:
     t = cfg.trainer
     for key, value, ok in (("trainer.accelerator", t.accelerator, "cpu"), ("trainer.precision", t.precision, "32-true"),
                            ("trainer.accumulate_grad_batches", t.accumulate_grad_batches, 1),
-                           ("model.dropout", cfg.model.dropout, 0.0)):
+                           ("model.dropout", cfg.model.dropout, 0.0),
+                           ("model.rope_scale_factor", cfg.model.rope_scale_factor, 0.0)):
         if value != ok:
             raise ConfigError(key, value, f"the plain-Lightning path supports only {key}={ok}",
                               f"use {key}={ok}, or a NeMo recipe (engine=nemo)")

@@ -99,7 +99,14 @@ def build_model(cfg: Config) -> Any:
                        bias_activation_fusion=False, transformer_layer_spec=local_layer_spec)
     # Megatron DDP does not broadcast the initial parameters: every rank must build the same ones.
     torch.manual_seed(cfg.seed)
-    config = Llama3Config(
+    if m.rope_scale_factor:  # Llama 3.1 / 3.2: RoPE frequencies scaled beyond the original 8K context
+        from nemo.collections.llm.gpt.model.llama import Llama31Config
+
+        options.update(scale_factor=m.rope_scale_factor, old_context_len=8192)
+        make: Any = Llama31Config
+    else:
+        make = Llama3Config
+    config = make(
         num_layers=m.n_layers, hidden_size=m.d_model, ffn_hidden_size=m.ffn_hidden, num_attention_heads=m.n_heads,
         num_query_groups=m.n_kv_heads, seq_length=cfg.data.seq_len, rotary_base=int(m.rope_theta),
         layernorm_epsilon=m.norm_eps, share_embeddings_and_output_weights=m.tie_embeddings,
