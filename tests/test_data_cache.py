@@ -177,6 +177,30 @@ def test_cached_batches_equal_the_dataset_and_a_replacement_is_served_from_the_c
     assert not remove_job_cache(tmp_path, "job1")
 
 
+def test_random_access_by_step_prefetches_ahead_and_serves_a_replacement_from_the_cache(
+        tmp_path: Path, plan: GlobalBatchPlan) -> None:
+    """`batch(step)`: the access NeMo's data module makes (Megatron's sampler reads positions, not an iterator)."""
+    ds = CountingDataset()
+    cache = BatchCache(tmp_path, "job3", VERSION, group=0)
+    with loader_of(ds, plan, 0, end_step=30, cache=cache, prefetch=4, lookback=2) as loader:
+        for step in range(10):
+            assert torch.equal(loader.batch(step), expected(ds, plan, step))
+            time.sleep(0.002)
+        deadline = time.monotonic() + 5
+        while 12 not in cache.steps_on_disk() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # The window moved with the reads: the step read last and the 3 after it (prefetch=4), 2 behind it.
+        assert cache.steps_on_disk() == list(range(7, 13)), cache.steps_on_disk()
+        with pytest.raises(IndexError, match="outside"):
+            loader.batch(30)
+    # A replacement that starts at step 10 reads it from its predecessor's cache, not from the data.
+    replacement_ds = CountingDataset()
+    with loader_of(replacement_ds, plan, 0, end_step=30, cache=BatchCache(tmp_path, "job3", VERSION, group=0),
+                   prefetch=0) as again:
+        assert torch.equal(again.batch(10), expected(ds, plan, 10))
+    assert again.first_batch["source"] == "cache" and replacement_ds.reads == 0
+
+
 def test_one_writer_two_readers_share_a_batch_group(tmp_path: Path, plan: GlobalBatchPlan) -> None:
     """A TP/CP group: three ranks need the same micro-batch; one prefetches, two read its files through mmap."""
     writer_ds, reader_ds = CountingDataset(), CountingDataset()

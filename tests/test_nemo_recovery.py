@@ -2,8 +2,9 @@
 (gloo + the test-only shim, `launcher.preload=[nemo_shim]`), 2 optimizer instances, hot spares, every run compared
 with the fault-free one:
 
-- a kill (p2p from the replica, in process: survivors keep their pids) and then a SIGSTOP hang (found by the
-  collective timeout and the launcher's watchdog, then p2p) in one run;
+- a kill (p2p from the replica, in process: survivors keep their pids; the replacement's first batch comes from
+  the shared-memory cache) and then a SIGSTOP hang (found by the collective timeout and the launcher's watchdog,
+  then p2p) in one run;
 - both replicas of one shard lost at once (a kill and an exception): the job falls back by itself to the
   persistent checkpoint of step 3 (our packed format) and replays from there;
 - the fault-free run's `data_sha256` equals the plain-Lightning engine's for the same data settings: both train on
@@ -85,6 +86,9 @@ def test_kill_then_hang_recover_p2p_in_process_and_end_bitwise_equal(reference: 
     assert kill["bytes_received"] > 0 and kill["replacement"] == {"1": "warm spare"}, kill
     assert hang["failed_ranks"] == [2] and hang["fault_kind"] == "hang" and hang["path"] == "p2p", hang
     assert hang["step"] == 7 and hang["steps_lost"] == 0 and hang["bytes_received"] > 0, hang
+    # Tier 2: rank 1's replacement trains its first step on the batch rank 1's prefetch left in shared memory.
+    spare_logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "kill-hang" / "logs").glob("spare_*"))
+    assert "[rank 1] data: first batch at step 3 from the cache" in spare_logs, spare_logs[-3000:]
     # The hang is found by a collective timeout (8 s) and the watchdog's wait for check-ins (8 s at most).
     assert 8 <= hang["detect_s"] < 30, hang
     # Healthy ranks kept their processes and finished in them; ranks 1 and 2 were replaced once each.

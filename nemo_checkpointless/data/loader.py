@@ -218,6 +218,29 @@ class MmapBatchLoader:
         finally:
             self._stop_thread()
 
+    def batch(self, step: int) -> Batch:
+        """Random access, for a consumer that reads by step rather than iterating (NeMo's data module, behind
+        Megatron's sampler): the batch of `step`, from the cache when it is there. Moves the prefetch window to
+        `step`, starting the writer's prefetch thread on first use (`close()` stops it)."""
+        if not 0 <= step < self.end_step:
+            raise IndexError(f"step {step} is outside [0, {self.end_step})")
+        with self._cond:
+            self._cursor = step
+            self._stop = False
+            self._cond.notify_all()
+        if (self._thread is None and self.cache is not None and self.cache.enabled and self.writer
+                and self.prefetch):
+            self._thread = threading.Thread(target=self._prefetch, args=(step,), daemon=True,
+                                            name=f"ncl-prefetch-g{self.cache.group}")
+            self._thread.start()
+        t0 = time.perf_counter()
+        batch, digest, source = self._get(step)
+        if not self.first_batch:
+            self.first_batch = {"step": step, "source": source, "s": time.perf_counter() - t0}
+        if self.ledger is not None:
+            self.ledger.record(step, digest if digest is not None else fingerprint(batch))
+        return batch
+
     def check_batch(self, step: int, batch: Batch) -> None:
         """Fail loudly (`DataOrderError`) unless `batch` is what this loader produced for `step` (needs `verify`)."""
         if self.ledger is not None:

@@ -8,8 +8,6 @@ that rank's replacement. Every rank runs `fit` in a loop: a fallback to the pers
 from __future__ import annotations
 
 import datetime
-import functools
-import hashlib
 import json
 import logging
 import os
@@ -26,10 +24,10 @@ from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
 from nemo_checkpointless.config import Config, load_run_config
-from nemo_checkpointless.data.cache import JOB_ID_KEY, BatchCache, data_version
 from nemo_checkpointless.data.indexed import IndexedTokens
+from nemo_checkpointless.data.job import job_loader
 from nemo_checkpointless.data.loader import LedgeredLoader, MmapBatchLoader
-from nemo_checkpointless.data.sampling import PLAN_VERSION, GlobalBatchPlan, RankBatchSampler, TokenSequences
+from nemo_checkpointless.data.sampling import GlobalBatchPlan, RankBatchSampler, TokenSequences
 from nemo_checkpointless.launcher.local import spare_assign_key, spare_ready_key
 from nemo_checkpointless.lightning.callback import CheckpointlessCallback
 from nemo_checkpointless.lightning.module import LlamaLightningModule
@@ -71,11 +69,6 @@ def build_session(cfg: Config, env: WorkerEnv, store: torch.distributed.Store) -
 _previous_loader: list[MmapBatchLoader | LedgeredLoader] = []
 
 
-@functools.lru_cache(maxsize=4)
-def _content_id(path: str) -> str:
-    return IndexedTokens(path).content_id()
-
-
 def _build_loader(cfg: Config, session: Session, dataset: TokenSequences, plan: GlobalBatchPlan, dp_rank: int
                   ) -> Iterable[torch.Tensor]:
     """`data.loader=mmap`: batches from the job's shared-memory cache (tier 2); `plain`: a `DataLoader`. Both start
@@ -92,21 +85,9 @@ def _build_loader(cfg: Config, session: Session, dataset: TokenSequences, plan: 
             return plain
         loader = LedgeredLoader(plain, start)
     else:
-        store = session.membership.store
-        # The launcher names the job (and removes its cache at the end); without one, the run dir + store port do.
-        job_id = (store.get(JOB_ID_KEY).decode() if store.check([JOB_ID_KEY]) else
-                  hashlib.sha256(f"{env.run_dir}:{env.store_port}".encode()).hexdigest()[:16])
-        assert cfg.data.path is not None
-        version = data_version(content=_content_id(cfg.data.path), seq_len=cfg.data.seq_len,
-                               micro_batch_size=cfg.data.micro_batch_size, dp_size=session.dims.dp, seed=cfg.seed,
-                               shuffle=cfg.data.shuffle, plan=PLAN_VERSION, num_samples=len(dataset))
-        # One writer per batch group (the ranks of one data-parallel index share its micro-batch): the lowest rank.
-        group_ranks = [r for r in range(env.world_size) if rank_info(session.dims, r).dp_rank == dp_rank]
-        cache = BatchCache(cfg.data.cache_root, job_id, version, group=dp_rank)
-        loader = MmapBatchLoader(dataset, plan, dp_rank, cfg.trainer.max_steps, start_step=start, cache=cache,
-                                 writer=env.rank == min(group_ranks), prefetch=cfg.data.prefetch,
-                                 lookback=cfg.data.lookback, verify=cfg.data.verify, data_version=version,
-                                 name=f"[rank {env.rank}]")
+        loader = job_loader(cfg, session.membership.store, rank=env.rank, dims=session.dims, run_dir=env.run_dir,
+                            store_port=env.store_port, dataset=dataset, plan=plan, end_step=cfg.trainer.max_steps,
+                            start_step=start, name=f"[rank {env.rank}]")
     _previous_loader.append(loader)
     return loader
 

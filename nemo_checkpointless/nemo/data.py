@@ -4,7 +4,9 @@
 `consumed_samples + k`) to a sample through the same `GlobalBatchPlan` as the Lightning path: position
 `s * GB + r * mb + k` is sample `plan.sample_ids(s, r)[k]`. So a step's micro-batches are the Lightning path's for
 the same seed, data, micro-batch size and DP size, and the data position at step s is `s * GB` samples: O(1) to
-restore, whatever s (`CheckpointlessMegatronStrategy.process_dataloader` sets it).
+restore, whatever s (`CheckpointlessMegatronStrategy.process_dataloader` sets it). With a loader
+(`data.loader=mmap`), a rank's own micro-batches come from the job's shared-memory cache (tier 2), prefetched by
+its batch group's writer, so a replacement's first batch is already there.
 
 `recording_data_step` is the model's `data_step_fn`: it hashes each micro-batch the step actually consumes (inputs
 plus the last label, the Lightning path's batch) before handing it to NeMo's `gpt_data_step`; `take_step_digest`
@@ -14,6 +16,7 @@ returns the step's digest. Importing this module imports NeMo (the [nemo] extra)
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,6 +24,7 @@ import numpy as np
 import torch
 from nemo.lightning.pytorch.plugins import MegatronDataSampler
 
+from nemo_checkpointless.data.loader import MmapBatchLoader
 from nemo_checkpointless.data.sampling import GlobalBatchPlan, IndexPermutation, TokenSequences
 from nemo_checkpointless.state.hashing import batch_hash
 
@@ -31,8 +35,9 @@ class PlannedSamples(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
     """Item i is the sample at global data position i (see the module doc), as NeMo's GPT batch dict."""
 
     def __init__(self, sequences: TokenSequences, plan: GlobalBatchPlan, length: int,
-                 attention_mask: bool) -> None:
-        self.sequences, self.plan, self.length = sequences, plan, length
+                 attention_mask: bool, loader: MmapBatchLoader | None = None) -> None:
+        self.sequences, self.plan, self.length, self.loader = sequences, plan, length, loader
+        self._step, self._batch = -1, torch.empty(0)
         seq_len = sequences.seq_len
         self.loss_mask = torch.ones(seq_len, dtype=torch.float32)
         self.position_ids = torch.arange(seq_len, dtype=torch.int64)
@@ -49,7 +54,15 @@ class PlannedSamples(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return int(self.plan.sample_ids(step, dp_rank, self._cache)[j])
 
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
-        seq = self.sequences[self.sample_id(position)]
+        step, k = divmod(position, self.plan.global_batch_size)
+        dp_rank, j = divmod(k, self.plan.micro_batch_size)
+        if self.loader is not None and dp_rank == self.loader.dp_rank:
+            # This rank's micro-batch of `step`, from the shared-memory cache (tier 2) when it is there.
+            if step != self._step:
+                self._batch, self._step = self.loader.batch(step), step
+            seq = self._batch[j]
+        else:
+            seq = self.sequences[self.sample_id(position)]
         item = {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": self.loss_mask, "position_ids": self.position_ids}
         if self.mask is not None:
             item["attention_mask"] = self.mask
@@ -65,14 +78,21 @@ class PlannedDataModule(pl.LightningDataModule):
         global_batch_size: micro_batch_size x DP x gradient accumulation.
         max_steps: the dataset is `max_steps * global_batch_size` positions long (epochs repeat, each reshuffled).
         attention_mask: build the causal mask (needed without Transformer Engine).
+        loader: builds this rank's tier-2 loader (`data.job.job_loader`) from (samples, plan, plan steps); None:
+            read the token file directly. Call `close()` when the module is done with (it stops the prefetch).
     """
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, micro_batch_size: int, dp_size: int,
-                 global_batch_size: int, seed: int, shuffle: bool, max_steps: int, attention_mask: bool) -> None:
+                 global_batch_size: int, seed: int, shuffle: bool, max_steps: int, attention_mask: bool,
+                 loader: Callable[[TokenSequences, GlobalBatchPlan, int], MmapBatchLoader] | None = None) -> None:
         super().__init__()
         self.sequences = TokenSequences(tokens, seq_len)
-        plan = GlobalBatchPlan(len(self.sequences), micro_batch_size, dp_size, seed, shuffle)
-        self.dataset = PlannedSamples(self.sequences, plan, max_steps * global_batch_size, attention_mask)
+        self.plan = GlobalBatchPlan(len(self.sequences), micro_batch_size, dp_size, seed, shuffle)
+        # A plan step is one micro-batch per DP rank: global_batch_size / (micro_batch_size x DP) per optimizer step.
+        plan_steps = max_steps * global_batch_size // self.plan.global_batch_size
+        self.loader = loader(self.sequences, self.plan, plan_steps) if loader is not None else None
+        self.dataset = PlannedSamples(self.sequences, self.plan, max_steps * global_batch_size, attention_mask,
+                                      self.loader)
         self.seq_length = seq_len
         self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
         self.data_sampler = MegatronDataSampler(seq_len=seq_len, micro_batch_size=micro_batch_size,
@@ -80,6 +100,10 @@ class PlannedDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
         return torch.utils.data.DataLoader(self.dataset, num_workers=0, pin_memory=False)
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
 
 
 def recording_data_step(dataloader_iter: Any, use_mtp: bool = False) -> dict[str, torch.Tensor]:

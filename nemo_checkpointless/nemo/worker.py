@@ -130,18 +130,27 @@ class _Vocabulary:
         self.vocab_size = vocab_size
 
 
-def build_data(cfg: Config, tokens: Any) -> Any:
+def build_data(cfg: Config, tokens: Any, store: dist.Store, rank: int, run_dir: Path, store_port: int) -> Any:
+    """Our token data as NeMo's data module; with `data.loader=mmap` through the job's shared-memory cache."""
+    from nemo_checkpointless.data.job import job_loader
     from nemo_checkpointless.nemo.data import PlannedDataModule
 
     dims = cfg.dims()
+
+    def loader(dataset: Any, plan: Any, end_step: int) -> Any:
+        return job_loader(cfg, store, rank=rank, dims=dims, run_dir=str(run_dir), store_port=store_port,
+                          dataset=dataset, plan=plan, end_step=end_step, name=f"[rank {rank}]")
+
     return PlannedDataModule(tokens, seq_len=cfg.data.seq_len, micro_batch_size=cfg.data.micro_batch_size,
-                             dp_size=dims.dp_cp, global_batch_size=global_batch_size(cfg), seed=cfg.seed,
+                             dp_size=dims.dp, global_batch_size=global_batch_size(cfg), seed=cfg.seed,
                              shuffle=cfg.data.shuffle, max_steps=cfg.trainer.max_steps,
-                             attention_mask=cfg.trainer.accelerator == "cpu")
+                             attention_mask=cfg.trainer.accelerator == "cpu",
+                             loader=loader if cfg.data.loader == "mmap" else None)
 
 
 def global_batch_size(cfg: Config) -> int:
-    return cfg.data.micro_batch_size * cfg.dims().dp_cp * cfg.trainer.accumulate_grad_batches
+    """Megatron's: micro-batch x data-parallel size (context-parallel ranks share a micro-batch) x accumulation."""
+    return cfg.data.micro_batch_size * cfg.dims().dp * cfg.trainer.accumulate_grad_batches
 
 
 # ------------------------------------------------------------------------------------------- the callback
@@ -232,6 +241,12 @@ def _callback() -> Any:
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             _HOOKS[0].batch_end(trainer.global_step)
+            loader = getattr(trainer.datamodule, "loader", None)
+            first = getattr(loader, "first_batch", None)
+            if first and first["step"] and not first.get("reported"):
+                first["reported"] = True
+                print(f"[rank {_HOOKS[0].rank}] data: first batch at step {first['step']} from the "
+                      f"{first['source']} in {1e3 * first['s']:.2f} ms", flush=True)
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             _HOOKS[0].train_end(trainer.strategy, trainer.global_step)
@@ -330,7 +345,7 @@ def run() -> None:
         stamps.track(restart_generation)
     while True:
         generation = membership.generation
-        model, data = build_model(cfg), build_data(cfg, tokens)
+        model, data = build_model(cfg), build_data(cfg, tokens, store, rank, run_dir, port)
         strategy = CheckpointlessMegatronStrategy(
             num_instances=cfg.replication.num_instances, global_batch_size=global_batch_size(cfg),
             tensor_model_parallel_size=cfg.parallel.tp, pipeline_model_parallel_size=cfg.parallel.pp,
@@ -349,11 +364,13 @@ def run() -> None:
         try:
             with watch:
                 trainer.fit(model, datamodule=data)
+            data.close()
             return
         except InjectedFault:
             raise
         except Exception as e:  # a peer failed (a gloo error, or the timeout of a collective it never joined)
             clear_recorded()
+            data.close()  # stops its prefetch thread; the next fit's module adopts what the cache holds
             if fault_generation(store) < generation:
                 # Nobody has died (yet): check in, and if a collective timed out, ask the launcher to find a hang.
                 store.set(alive_key(generation, rank), json.dumps(time.time()))
