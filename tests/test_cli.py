@@ -81,3 +81,22 @@ def test_same_seed_same_state_whatever_the_replication(tmp_path: Path, data_cach
     assert other_seed["data_sha256"] != first["data_sha256"]
     for key in ("wall_s", "steps_per_s", "state_sha256", "data_sha256", "final_step", "recoveries", "pids"):
         assert key in first
+
+
+def test_a_rank_that_fails_before_training_stops_the_job_at_once_naming_its_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A set-up error (here: a preloaded module that raises on rank 3 only) is not a fault a replacement survives:
+    the launcher stops at the first failure instead of replacing the rank launcher.max_restarts times."""
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "broken_on_rank3.py").write_text(
+        "import os\nif os.environ.get('RANK') == '3':\n    raise RuntimeError('rank 3 cannot start: boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "mods"))
+    run_dir = tmp_path / "run"
+    code = main([f"run.dir={run_dir}", "trainer.max_steps=2", "launcher.preload=[broken_on_rank3]",
+                 "launcher.max_restarts=5", "trainer.progress_bar=false"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "rank(s) [3] failed before training (exit code 1)" in err, err
+    assert "RuntimeError: rank 3 cannot start: boom" in err and "rank_3.0.log" in err, err
+    assert sorted(p.name for p in (run_dir / "logs").glob("rank_3.*")) == ["rank_3.0.log"], "replaced anyway"

@@ -29,6 +29,13 @@ from nemo_checkpointless.restart.groups import FAULT_KEY, alive_key, hang_key
 from nemo_checkpointless.restart.recovery import GENERATION_KEY, generation_info_key, record_key
 from nemo_checkpointless.restart.worker_env import ENV_PREFIX, WorkerEnv
 
+TRAIN_START_KEY = "job/train_start"  # set by rank 0 when it starts its first training step
+
+
+def training_key(pid: int) -> str:
+    """Set by a worker process of ours when it starts its first training step."""
+    return f"job/training/{pid}"
+
 WORKER_MODULE = "nemo_checkpointless.lightning.worker"
 WORKER_MODULES = {"lightning": WORKER_MODULE, "nemo": "nemo_checkpointless.nemo.worker"}  # by `engine`
 POLL_S = 0.005
@@ -130,8 +137,17 @@ class _Job:
         self.generation += 1
         if self.generation > self.cfg.launcher.max_restarts:
             raise LaunchError(f"rank(s) {failed} failed; {self.generation - 1} recoveries already happened "
-                              f"(launcher.max_restarts={self.cfg.launcher.max_restarts}); giving up")
+                              f"(launcher.max_restarts={self.cfg.launcher.max_restarts}); giving up. "
+                              f"{self.where(failed[0])}")
         injected = self._injected(failed)
+        # A process that failed before it ever trained (and was not made to) has a set-up error (an import, the
+        # config, the machine), not a fault a replacement would survive: stop at once instead of replacing it
+        # launcher.max_restarts times. Our workers say when they start training; a worker of one's own may not.
+        broken = [r for r in failed if r not in injected and r not in self.hung
+                  and not self.store.check([training_key(self.ranks[r].popen.pid)])]
+        if broken and self.worker_module in WORKER_MODULES.values():
+            raise LaunchError(f"rank(s) {failed} failed before training (exit code {codes[broken[0]]}); "
+                              f"{self.where(broken[0])}")
         restart_all = self.cfg.launcher.on_failure == "restart_all"
         if restart_all:
             # The baseline: stop every process, as a job restart does, and start the whole job again.
@@ -204,6 +220,14 @@ class _Job:
         for r in silent:
             self.hung.add(r)
             self.ranks[r].popen.kill()
+
+    def where(self, rank: int) -> str:
+        """Where a failed rank's error is: the last line of its log, and the log (rank 0 writes to this terminal)."""
+        proc = self.ranks.get(rank)
+        if proc is None or proc.log is None:
+            return f"rank {rank}'s traceback is above"
+        last = next((line.strip() for line in reversed(_tail(proc.log).splitlines()) if line.strip()), "(empty log)")
+        return f"rank {rank}: {last[:300]} (log: {proc.log})"
 
     def _injected(self, failed: list[int]) -> dict[int, dict[str, Any]]:
         out = {}
@@ -332,9 +356,9 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None) -> d
     worker_summary: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     wall_s = round(time.perf_counter() - t0, 3)
     train_s: float | None = None
-    if "train_end_t" in worker_summary and store.check(["job/train_start"]):
+    if "train_end_t" in worker_summary and store.check([TRAIN_START_KEY]):
         # From the first training step of the job to the end, across every recovery (not one process's view).
-        train_s = round(worker_summary["train_end_t"] - json.loads(store.get("job/train_start")), 3)
+        train_s = round(worker_summary["train_end_t"] - json.loads(store.get(TRAIN_START_KEY)), 3)
     final_step = worker_summary.get("final_step")
     summary: dict[str, Any] = {
         "recipe": cfg.recipe_name,

@@ -72,6 +72,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.resume_step = 0
         self.checkpoints: CheckpointStore | None = None
         self.checkpoint_every = 0
+        self.groups_s = 0.0  # how long the last `setup_distributed` took (default group + megatron's groups)
 
     def use_generation(self, pg_store: Any,
                        resume: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None) -> None:
@@ -131,6 +132,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         if self.pg_timeout_s is not None:
             os.environ["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] = str(max(1, round(self.pg_timeout_s)))
         parallel_state.initialize_model_parallel = initialize
+        t0 = time.monotonic()
         try:
             super().setup_distributed()
             if not calls:
@@ -143,6 +145,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
                                    "default group")
         finally:
             parallel_state.initialize_model_parallel = original
+            self.groups_s = time.monotonic() - t0
 
     def _check_megatron_groups(self) -> None:
         if self.num_instances == 1:

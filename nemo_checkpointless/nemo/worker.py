@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_checkpointless.config import Config, load_run_config
-from nemo_checkpointless.launcher.local import spare_assign_key, spare_ready_key
+from nemo_checkpointless.launcher.local import TRAIN_START_KEY, spare_assign_key, spare_ready_key, training_key
 from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart.groups import (
     Membership,
@@ -59,7 +59,6 @@ from nemo_checkpointless.restart.recovery import RecoveryEngine, RecoveryStamps,
 from nemo_checkpointless.restart.worker_env import ENV_PREFIX, preload
 from nemo_checkpointless.state.hashing import DataDigest, state_digest
 
-TRAIN_START_KEY = "job/train_start"
 WORKER_SUMMARY = "worker_summary.json"
 State = tuple[dict[str, torch.Tensor], dict[str, Any]]
 
@@ -162,6 +161,8 @@ class _StepHooks:
                  stamps: RecoveryStamps) -> None:
         self.cfg, self.rank, self.world, self.run_dir = cfg, rank, world, run_dir
         self.engine, self.stamps = engine, stamps
+        self.training = False  # this process has started a training step (said to the launcher once)
+        self.reentry: dict[str, float] = {}  # times of the phases of re-entering `fit` after a recovery
 
     @property
     def store(self) -> dist.Store:
@@ -171,6 +172,9 @@ class _StepHooks:
         """`step` is 1-based, as `fault.plan` counts."""
         if self.rank == 0 and not self.store.check([TRAIN_START_KEY]):
             self.store.set(TRAIN_START_KEY, json.dumps(time.time()))
+        if not self.training:
+            self.training = True
+            self.store.set(training_key(os.getpid()), "1")
         for i, spec in enumerate(self.cfg.fault.plan):
             if spec.rank != self.rank or spec.step != step or self.store.check([injected_key(i)]):
                 continue
@@ -188,6 +192,13 @@ class _StepHooks:
 
     def batch_end(self, completed_steps: int) -> None:
         from nemo_checkpointless.nemo.data import take_step_digest
+
+        if self.reentry:  # the first step after a recovery: where the time to re-enter `fit` went
+            t = self.reentry
+            print(f"[rank {self.rank}] back in fit: model + trainer {t['built'] - t['recovered']:.2f} s, fit "
+                  f"set-up {t['train_start'] - t['built']:.2f} s (of which groups {t.get('groups', 0.0):.2f} s), "
+                  f"first step {time.time() - t['train_start']:.2f} s", flush=True)
+            self.reentry = {}
 
         digest = take_step_digest()
         if digest is not None:
@@ -236,6 +247,12 @@ def _callback() -> Any:
 
                 tensor_parallel.model_parallel_cuda_manual_seed(_HOOKS[0].cfg.seed)
 
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            hooks = _HOOKS[0]
+            if hooks.reentry:
+                hooks.reentry["train_start"] = time.time()
+                hooks.reentry["groups"] = getattr(trainer.strategy, "groups_s", 0.0)
+
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             _HOOKS[0].batch_start(trainer.global_step + 1)
 
@@ -255,6 +272,25 @@ def _callback() -> Any:
 
 
 # ------------------------------------------------------------------------------------------------ the rank
+def warm_up(cfg: Config) -> None:
+    """What a hot spare does before it says it is ready: build what a rank builds before `fit` (model module,
+    strategy, trainer) once, and drop it. The first build in a process pays for NeMo's lazy imports and set-up
+    (measured here, kill at step 20: ~2.2 s of a ~6.8 s `recover_s`). Nothing needs a process group; nothing is
+    kept. Still paid after a join: compiling megatron's fused functions (`torch.compile`) in the first forward
+    (~2.4 s here; a forward/backward on a private one-rank group before the join did not save it under the CPU
+    shim, whose function mode makes dynamo recompile)."""
+    from nemo import lightning as nl
+
+    from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
+
+    build_model(cfg)
+    strategy = CheckpointlessMegatronStrategy(num_instances=cfg.replication.num_instances,
+                                              global_batch_size=global_batch_size(cfg), ckpt_async_save=False)
+    nl.Trainer(accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
+               max_steps=cfg.trainer.max_steps, strategy=strategy, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, callbacks=[_callback()])
+
+
 def _wait_for_assignment(store: dist.Store, spare_id: int) -> dict[str, int]:
     while True:
         try:
@@ -308,6 +344,7 @@ def run() -> None:
     join_generation = restart_generation = 0
     if f"{ENV_PREFIX}SPARE_ID" in environ:
         spare_id = int(environ[f"{ENV_PREFIX}SPARE_ID"])
+        warm_up(cfg)
         store.set(spare_ready_key(spare_id), "1")
         assignment = _wait_for_assignment(store, spare_id)
         rank, join_generation = assignment["rank"], assignment["generation"]
@@ -326,7 +363,8 @@ def run() -> None:
     checkpoints = CheckpointStore(ckpt_dir, dims.shard_size) if cfg.checkpoint.every_n_steps else None
     engine = RecoveryEngine(membership, dims, checkpoints, verify_checksum=cfg.replication.checksum)
     stamps = RecoveryStamps(store, rank)
-    _HOOKS.append(_StepHooks(cfg, rank, world, run_dir, engine, stamps))
+    hooks = _StepHooks(cfg, rank, world, run_dir, engine, stamps)
+    _HOOKS.append(hooks)
     resume: State | None = None
     if join_generation:
         membership.generation = join_generation - 1
@@ -334,6 +372,7 @@ def run() -> None:
         decision = engine.join(received, join_generation)
         resume = received.state
         stamps.track(membership.generation)
+        hooks.reentry = {"recovered": time.time()}
         source = (f"a replica (p2p, {engine.bytes_received} bytes)" if decision.path == "p2p" else
                   "the checkpoint" if decision.step else "the seeded initial state")
         print(f"[rank {rank}] joined generation {membership.generation}: state of step {decision.step} from {source}",
@@ -360,6 +399,8 @@ def run() -> None:
                              plugins=plugins, logger=False, enable_checkpointing=False, limit_val_batches=0,
                              num_sanity_val_steps=0, enable_progress_bar=False, callbacks=[_callback()],
                              log_every_n_steps=cfg.trainer.log_every_n_steps)
+        if hooks.reentry:
+            hooks.reentry["built"] = time.time()
         watch = FaultWatch(store, generation, keep_ports={port})
         try:
             with watch:
@@ -396,6 +437,7 @@ def run() -> None:
             del part, strategy, trainer, model, data
             abandoned = abandon_default_group()
             stamps.track(membership.generation)
+            hooks.reentry = {"recovered": time.time()}
             print(f"[rank {rank}] recovered {how} in {time.time() - t:.2f} s (generation {membership.generation}, "
                   f"{abandoned} old groups abandoned); entering fit again", flush=True)
 
