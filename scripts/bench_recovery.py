@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 GAP = 40  # steps between kills: time for the refilled spare to finish its imports on 2 busy cores
-GAP_NEMO = 60  # a NeMo spare imports for ~20 s; a NeMo step is ~0.4 s here
+GAP_NEMO = 120  # a refilled NeMo spare needs ~25 s on 2 busy cores (imports, warm-up); a step is ~0.25 s
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from nemo_checkpointless.config import Config
 from nemo_checkpointless.data.cache import JOB_ID_KEY, new_job_id, remove_job_cache
+from nemo_checkpointless.restart.faults import injected_key
 from nemo_checkpointless.restart.groups import FAULT_KEY, alive_key, hang_key
 from nemo_checkpointless.restart.recovery import GENERATION_KEY, generation_info_key, record_key
 from nemo_checkpointless.restart.worker_env import ENV_PREFIX, WorkerEnv
@@ -65,6 +66,17 @@ def spare_assign_key(spare_id: int) -> str:
 
 def spare_ready_key(spare_id: int) -> str:
     return f"job/spare/{spare_id}/ready"
+
+
+def wait_for_assignment(store: dist.Store, spare_id: int) -> dict[str, int]:
+    """A spare's wait for the launcher to hand it a rank: {"rank": r, "generation": g}."""
+    key = spare_assign_key(spare_id)
+    while True:
+        try:
+            store.wait([key], datetime.timedelta(seconds=60))  # blocks in the store server: no polling load
+            return dict(json.loads(store.get(key)))
+        except RuntimeError:  # a timeout: a spare may wait for hours
+            continue
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -232,7 +244,7 @@ class _Job:
     def _injected(self, failed: list[int]) -> dict[int, dict[str, Any]]:
         out = {}
         for i, spec in enumerate(self.cfg.fault.plan):
-            key = f"job/fault/{i}/injected"
+            key = injected_key(i)
             if spec.rank in failed and i not in self.seen_injections and self.store.check([key]):
                 self.seen_injections.add(i)
                 out[spec.rank] = json.loads(self.store.get(key))

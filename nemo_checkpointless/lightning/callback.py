@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -17,18 +16,11 @@ from typing_extensions import override
 from nemo_checkpointless.config import FaultSpec
 from nemo_checkpointless.launcher.local import TRAIN_START_KEY, training_key
 from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy
+from nemo_checkpointless.restart.faults import fire_faults
 from nemo_checkpointless.state.hashing import batch_hash
 
 WORKER_SUMMARY = "worker_summary.json"
 _TRAINING: list[int] = []  # this process's pid once it has started a training step (said to the launcher once)
-
-
-def injected_key(index: int) -> str:
-    return f"job/fault/{index}/injected"
-
-
-class InjectedFault(RuntimeError):
-    """The `exception` fault of a fault plan."""
 
 
 class CheckpointlessCallback(Callback):
@@ -62,20 +54,10 @@ class CheckpointlessCallback(Callback):
             store.set(TRAIN_START_KEY, json.dumps(time.time()))
 
     def _maybe_fail(self, strategy: CheckpointlessStrategy, step: int) -> None:
-        store = strategy.membership.store
-        for i, spec in enumerate(self.fault_plan):
-            if spec.rank != strategy.global_rank or spec.step != step or store.check([injected_key(i)]):
-                continue
-            store.set(injected_key(i), json.dumps({"t": time.time(), "kind": spec.kind, "rank": spec.rank,
-                                                   "step": step}))
-            if spec.kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if spec.kind == "hang":
-                os.kill(os.getpid(), signal.SIGSTOP)
-            if spec.kind == "corrupt":
-                strategy.session.engine.corrupt_next_send = True
-                continue
-            raise InjectedFault(f"injected fault: exception on rank {spec.rank} at step {step}")
+        def corrupt() -> None:
+            strategy.session.engine.corrupt_next_send = True
+
+        fire_faults(self.fault_plan, strategy.global_rank, step, strategy.membership.store, corrupt)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,

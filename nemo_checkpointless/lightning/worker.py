@@ -7,12 +7,7 @@ that rank's replacement. Every rank runs `fit` in a loop: a fallback to the pers
 
 from __future__ import annotations
 
-import datetime
-import json
-import logging
 import os
-import sys
-import traceback
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -28,7 +23,7 @@ from nemo_checkpointless.data.indexed import IndexedTokens
 from nemo_checkpointless.data.job import job_loader
 from nemo_checkpointless.data.loader import LedgeredLoader, MmapBatchLoader
 from nemo_checkpointless.data.sampling import GlobalBatchPlan, RankBatchSampler, TokenSequences
-from nemo_checkpointless.launcher.local import spare_assign_key, spare_ready_key
+from nemo_checkpointless.launcher.local import spare_ready_key, wait_for_assignment
 from nemo_checkpointless.lightning.callback import CheckpointlessCallback
 from nemo_checkpointless.lightning.module import LlamaLightningModule
 from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy, JoinSpec, Session
@@ -36,7 +31,7 @@ from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart import Membership, WorkerEnv
 from nemo_checkpointless.restart.groups import connect_store
 from nemo_checkpointless.restart.recovery import RecoveryEngine, RestartFromCheckpoint
-from nemo_checkpointless.restart.worker_env import ENV_PREFIX, preload
+from nemo_checkpointless.restart.worker_env import ENV_PREFIX, preload, run_worker
 from nemo_checkpointless.topology import rank_info
 
 
@@ -147,16 +142,6 @@ def warm_up(cfg: Config) -> None:
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
 
 
-def _wait_for_assignment(store: torch.distributed.Store, spare_id: int) -> dict[str, int]:
-    key = spare_assign_key(spare_id)
-    while True:
-        try:
-            store.wait([key], datetime.timedelta(seconds=60))  # blocks in the store server: no polling load
-            return dict(json.loads(store.get(key)))
-        except RuntimeError:  # a timeout: a spare may wait for hours
-            continue
-
-
 def run() -> None:
     environ = os.environ
     host, port = environ[f"{ENV_PREFIX}STORE_HOST"], int(environ[f"{ENV_PREFIX}STORE_PORT"])
@@ -172,7 +157,7 @@ def run() -> None:
         spare_id = int(environ[f"{ENV_PREFIX}SPARE_ID"])
         warm_up(cfg)
         store.set(spare_ready_key(spare_id), "1")
-        assignment = _wait_for_assignment(store, spare_id)
+        assignment = wait_for_assignment(store, spare_id)
         rank, world = assignment["rank"], int(environ["WORLD_SIZE"])
         env = WorkerEnv(rank, world, rank, host, port, run_dir)
         join = JoinSpec("replacement", assignment["generation"])
@@ -204,17 +189,7 @@ def main() -> int:
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    code = 0
-    try:
-        run()
-    except BaseException:  # the traceback goes to this rank's log; the launcher sees the exit code
-        traceback.print_exc()
-        code = 1
-    # Skip interpreter teardown: retired gloo groups would join their threads; nothing is left to flush.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    return run_worker(run)
 
 
 if __name__ == "__main__":

@@ -31,12 +31,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import logging
 import os
-import signal
-import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -45,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 from nemo_checkpointless.config import Config, load_run_config
-from nemo_checkpointless.launcher.local import TRAIN_START_KEY, spare_assign_key, spare_ready_key, training_key
+from nemo_checkpointless.launcher.local import TRAIN_START_KEY, spare_ready_key, training_key, wait_for_assignment
 from nemo_checkpointless.replication.checkpoint import CheckpointStore
+from nemo_checkpointless.restart.faults import InjectedFault, fire_faults
 from nemo_checkpointless.restart.groups import (
     Membership,
     PeerFailure,
@@ -56,23 +53,15 @@ from nemo_checkpointless.restart.groups import (
     hang_key,
 )
 from nemo_checkpointless.restart.recovery import RecoveryEngine, RecoveryStamps, RestartFromCheckpoint
-from nemo_checkpointless.restart.worker_env import ENV_PREFIX, preload
+from nemo_checkpointless.restart.worker_env import ENV_PREFIX, preload, run_worker
 from nemo_checkpointless.state.hashing import DataDigest, state_digest
 
 WORKER_SUMMARY = "worker_summary.json"
 State = tuple[dict[str, torch.Tensor], dict[str, Any]]
 
 
-class InjectedFault(RuntimeError):
-    """The `exception` fault of a fault plan: the rank leaves with an error (the launcher replaces it)."""
-
-
 def data_key(step: int, rank: int) -> str:
     return f"data/{step}/{rank}"
-
-
-def injected_key(index: int) -> str:
-    return f"job/fault/{index}/injected"
 
 
 # ------------------------------------------------------------------------------------------------- building
@@ -175,20 +164,11 @@ class _StepHooks:
         if not self.training:
             self.training = True
             self.store.set(training_key(os.getpid()), "1")
-        for i, spec in enumerate(self.cfg.fault.plan):
-            if spec.rank != self.rank or spec.step != step or self.store.check([injected_key(i)]):
-                continue
-            self.store.set(injected_key(i), json.dumps({"t": time.time(), "kind": spec.kind, "rank": self.rank,
-                                                        "step": step}))
-            print(f"[rank {self.rank}] injected fault: {spec.kind} at step {step}", flush=True)
-            if spec.kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif spec.kind == "hang":
-                os.kill(os.getpid(), signal.SIGSTOP)
-            elif spec.kind == "corrupt":
-                self.engine.corrupt_next_send = True
-            else:
-                raise InjectedFault(f"injected fault: exception on rank {self.rank} at step {step}")
+
+        def corrupt() -> None:
+            self.engine.corrupt_next_send = True
+
+        fire_faults(self.cfg.fault.plan, self.rank, step, self.store, corrupt)
 
     def batch_end(self, completed_steps: int) -> None:
         from nemo_checkpointless.nemo.data import take_step_digest
@@ -291,15 +271,6 @@ def warm_up(cfg: Config) -> None:
                enable_progress_bar=False, callbacks=[_callback()])
 
 
-def _wait_for_assignment(store: dist.Store, spare_id: int) -> dict[str, int]:
-    while True:
-        try:
-            store.wait([spare_assign_key(spare_id)], datetime.timedelta(seconds=60))
-            return dict(json.loads(store.get(spare_assign_key(spare_id))))
-        except RuntimeError:
-            continue
-
-
 def _wait_for_fault(store: dist.Store, generation: int, patience_s: float) -> bool:
     deadline = time.monotonic() + patience_s
     while time.monotonic() < deadline:
@@ -346,7 +317,7 @@ def run() -> None:
         spare_id = int(environ[f"{ENV_PREFIX}SPARE_ID"])
         warm_up(cfg)
         store.set(spare_ready_key(spare_id), "1")
-        assignment = _wait_for_assignment(store, spare_id)
+        assignment = wait_for_assignment(store, spare_id)
         rank, join_generation = assignment["rank"], assignment["generation"]
     else:
         rank = int(environ["RANK"])
@@ -444,16 +415,7 @@ def run() -> None:
 
 def main() -> int:
     warnings.filterwarnings("ignore")
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    code = 0
-    try:
-        run()
-    except BaseException:  # the traceback goes to this rank's log; the launcher sees the exit code
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # abandoned gloo groups must not be torn down at exit
+    return run_worker(run)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+import sys
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,3 +54,19 @@ def preload(cfg: Any) -> None:
         install = getattr(module, "install", None)
         if callable(install):
             install()
+
+
+def run_worker(body: Callable[[], None]) -> int:
+    """A worker process's `main`: run `body`; a failure's traceback goes to the rank's log and the exit code to the
+    launcher. Leaves with `os._exit`, skipping interpreter teardown: retired or abandoned gloo groups would join
+    threads stuck in a dead collective."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    code = 0
+    try:
+        body()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

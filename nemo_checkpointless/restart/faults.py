@@ -1,0 +1,39 @@
+"""Fault injection (`fault.plan`), one implementation for every worker: each fault fires once per job (a
+replacement of the rank does not fire it again), and the launcher reads what fired from the store
+(`injected_key`) to label its recovery records."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+class InjectedFault(RuntimeError):
+    """The `exception` fault of a fault plan."""
+
+
+def injected_key(index: int) -> str:
+    return f"job/fault/{index}/injected"
+
+
+def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: Callable[[], None]) -> None:
+    """Fire the faults of `plan` (`FaultSpec`s) that name `rank` at 1-based `step`: `kill` (SIGKILL), `hang`
+    (SIGSTOP), `corrupt` (calls `corrupt()`: the next state this rank sends is damaged) or `exception` (raises
+    `InjectedFault`)."""
+    for i, spec in enumerate(plan):
+        if spec.rank != rank or spec.step != step or store.check([injected_key(i)]):
+            continue
+        store.set(injected_key(i), json.dumps({"t": time.time(), "kind": spec.kind, "rank": rank, "step": step}))
+        print(f"[rank {rank}] injected fault: {spec.kind} at step {step}", flush=True)
+        if spec.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif spec.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif spec.kind == "corrupt":
+            corrupt()
+        else:
+            raise InjectedFault(f"injected fault: exception on rank {rank} at step {step}")
