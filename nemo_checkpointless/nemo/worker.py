@@ -253,12 +253,17 @@ def _callback() -> Any:
 
 # ------------------------------------------------------------------------------------------------ the rank
 def warm_up(cfg: Config) -> None:
-    """What a hot spare does before it says it is ready: build what a rank builds before `fit` (model module,
-    strategy, trainer) once, and drop it. The first build in a process pays for NeMo's lazy imports and set-up
-    (measured here, kill at step 20: ~2.2 s of a ~6.8 s `recover_s`). Nothing needs a process group; nothing is
-    kept. Still paid after a join: compiling megatron's fused functions (`torch.compile`) in the first forward
-    (~2.4 s here; a forward/backward on a private one-rank group before the join did not save it under the CPU
-    shim, whose function mode makes dynamo recompile)."""
+    """What a hot spare does before it says it is ready, so that its first step after a join costs what a
+    survivor's does. Measured here (kill at step 20 of 30): without it `recover_s` was ~6.8 s, of which ~2.2 s went
+    to the first build of NeMo's model and trainer (lazy imports) and ~2.4 s to compiling megatron's fused
+    functions (`torch.compile`) in the first forward.
+
+    1. Build what a rank builds before `fit` (model module, strategy, trainer) and drop it.
+    2. On a private one-rank process group (never the job's), build the model and run one forward and backward on
+       a dummy micro-batch of the job's shape, the backward through megatron's own `custom_backward` (as its
+       schedule does: `torch.autograd.backward` would run it under another torch-function mode stack, and dynamo
+       would compile again). Then destroy the group and megatron's state. Nothing is kept: the model is rebuilt,
+       and params, optimizer state and RNG arrive from the replica. A failure here costs only the speed-up."""
     from nemo import lightning as nl
 
     from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
@@ -269,6 +274,35 @@ def warm_up(cfg: Config) -> None:
     nl.Trainer(accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
                max_steps=cfg.trainer.max_steps, strategy=strategy, logger=False, enable_checkpointing=False,
                enable_progress_bar=False, callbacks=[_callback()])
+    try:
+        _warm_up_kernels(cfg)
+    except Exception as e:  # never fatal: the first real step compiles instead
+        print(f"spare warm-up: forward/backward failed ({type(e).__name__}: {e}); the first step after a join "
+              "will compile", flush=True)
+
+
+def _warm_up_kernels(cfg: Config) -> None:
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.pipeline_parallel.schedules import custom_backward
+
+    if dist.is_initialized():
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+        module = build_model(cfg)
+        module.configure_model()
+        mb, seq = cfg.data.micro_batch_size, cfg.data.seq_len
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        tokens = torch.zeros(mb, seq, dtype=torch.int64, device=device)
+        positions = torch.arange(seq, device=device).unsqueeze(0).expand(mb, -1)
+        mask = torch.ones(seq, seq, device=device).tril().view(1, 1, seq, seq) < 0.5
+        loss = module.module(input_ids=tokens, position_ids=positions, attention_mask=mask, labels=tokens)
+        custom_backward(loss.float().sum(), None)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 def _wait_for_fault(store: dist.Store, generation: int, patience_s: float) -> bool:
