@@ -193,10 +193,7 @@ class MmapBatchLoader:
         with self._cond:
             self._cursor = start
             self._stop = False
-        if self.cache is not None and self.cache.enabled and self.writer and self.prefetch:
-            self._thread = threading.Thread(target=self._prefetch, args=(start,), daemon=True,
-                                            name=f"ncl-prefetch-g{self.cache.group}")
-            self._thread.start()
+        self._start_prefetch(start)
         return self._iterate(start)
 
     def _iterate(self, start: int) -> Iterator[Batch]:
@@ -205,16 +202,7 @@ class MmapBatchLoader:
                 with self._cond:
                     self._cursor = step
                     self._cond.notify_all()
-                t0 = time.perf_counter()
-                batch, digest, source = self._get(step)
-                if not self.first_batch:
-                    self.first_batch = {"step": step, "source": source, "s": time.perf_counter() - t0}
-                    if step:
-                        log.info("%s data: first batch at step %d from the %s in %.2f ms", self.name, step,
-                                    source, 1e3 * self.first_batch["s"])
-                if self.ledger is not None:
-                    self.ledger.record(step, digest if digest is not None else fingerprint(batch))
-                yield batch
+                yield self._serve(step)
         finally:
             self._stop_thread()
 
@@ -228,15 +216,27 @@ class MmapBatchLoader:
             self._cursor = step
             self._stop = False
             self._cond.notify_all()
-        if (self._thread is None and self.cache is not None and self.cache.enabled and self.writer
-                and self.prefetch):
-            self._thread = threading.Thread(target=self._prefetch, args=(step,), daemon=True,
+        if self._thread is None:
+            self._start_prefetch(step)
+        return self._serve(step)
+
+    def _start_prefetch(self, start: int) -> None:
+        """Start the prefetch thread at `start` (the batch group's writer only, with a usable cache)."""
+        if self.cache is not None and self.cache.enabled and self.writer and self.prefetch:
+            self._thread = threading.Thread(target=self._prefetch, args=(start,), daemon=True,
                                             name=f"ncl-prefetch-g{self.cache.group}")
             self._thread.start()
+
+    def _serve(self, step: int) -> Batch:
+        """The batch of `step` for the consumer: noted as the first one served (where from, how long) and, with
+        `verify`, recorded in the ledger."""
         t0 = time.perf_counter()
         batch, digest, source = self._get(step)
         if not self.first_batch:
             self.first_batch = {"step": step, "source": source, "s": time.perf_counter() - t0}
+            if step:
+                log.info("%s data: first batch at step %d from the %s in %.2f ms", self.name, step, source,
+                         1e3 * self.first_batch["s"])
         if self.ledger is not None:
             self.ledger.record(step, digest if digest is not None else fingerprint(batch))
         return batch

@@ -37,6 +37,19 @@ def training_key(pid: int) -> str:
     """Set by a worker process of ours when it starts its first training step."""
     return f"job/training/{pid}"
 
+
+_TRAINING: list[int] = []  # this process's pid once it has said that it trains
+
+
+def mark_process_training(store: dist.Store) -> bool:
+    """Called by our workers before every training step; says once per process that it trains (`training_key`).
+    True on that first call only."""
+    if _TRAINING:
+        return False
+    _TRAINING.append(os.getpid())
+    store.set(training_key(os.getpid()), "1")
+    return True
+
 WORKER_MODULE = "nemo_checkpointless.lightning.worker"
 WORKER_MODULES = {"lightning": WORKER_MODULE, "nemo": "nemo_checkpointless.nemo.worker"}  # by `engine`
 POLL_S = 0.005

@@ -14,13 +14,12 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from nemo_checkpointless.config import FaultSpec
-from nemo_checkpointless.launcher.local import TRAIN_START_KEY, training_key
+from nemo_checkpointless.launcher.local import TRAIN_START_KEY, mark_process_training
 from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy
 from nemo_checkpointless.restart.faults import fire_faults
 from nemo_checkpointless.state.hashing import batch_hash
 
 WORKER_SUMMARY = "worker_summary.json"
-_TRAINING: list[int] = []  # this process's pid once it has started a training step (said to the launcher once)
 
 
 class CheckpointlessCallback(Callback):
@@ -64,9 +63,7 @@ class CheckpointlessCallback(Callback):
                              batch_idx: int) -> None:
         strategy = self._strategy(trainer)
         strategy.at_step_boundary()
-        if not _TRAINING:
-            _TRAINING.append(os.getpid())
-            strategy.membership.store.set(training_key(os.getpid()), "1")
+        mark_process_training(strategy.membership.store)
         self._maybe_fail(strategy, trainer.global_step + 1)
         tokens = batch if isinstance(batch, torch.Tensor) else batch[0]
         strategy.record_batch_hash(batch_hash(tokens))

@@ -11,7 +11,7 @@ import os
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch
@@ -185,12 +185,12 @@ def run() -> None:
             join = JoinSpec("checkpoint", restart.generation, restart.decision.step)
 
 
-def main() -> int:
+def main() -> NoReturn:
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-    return run_worker(run)
+    run_worker(run)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

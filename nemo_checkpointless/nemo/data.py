@@ -48,12 +48,8 @@ class PlannedSamples(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
     def __len__(self) -> int:
         return self.length
 
-    def sample_id(self, position: int) -> int:
-        step, k = divmod(position, self.plan.global_batch_size)
-        dp_rank, j = divmod(k, self.plan.micro_batch_size)
-        return int(self.plan.sample_ids(step, dp_rank, self._cache)[j])
-
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
+        # Position s * GB + r * mb + j is row j of DP rank r's micro-batch of plan step s.
         step, k = divmod(position, self.plan.global_batch_size)
         dp_rank, j = divmod(k, self.plan.micro_batch_size)
         if self.loader is not None and dp_rank == self.loader.dp_rank:
@@ -62,7 +58,7 @@ class PlannedSamples(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
                 self._batch, self._step = self.loader.batch(step), step
             seq = self._batch[j]
         else:
-            seq = self.sequences[self.sample_id(position)]
+            seq = self.sequences[int(self.plan.sample_ids(step, dp_rank, self._cache)[j])]
         item = {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": self.loss_mask, "position_ids": self.position_ids}
         if self.mask is not None:
             item["attention_mask"] = self.mask

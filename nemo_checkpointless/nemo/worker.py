@@ -35,13 +35,18 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from nemo_checkpointless.config import Config, load_run_config
-from nemo_checkpointless.launcher.local import TRAIN_START_KEY, spare_ready_key, training_key, wait_for_assignment
+from nemo_checkpointless.launcher.local import (
+    TRAIN_START_KEY,
+    mark_process_training,
+    spare_ready_key,
+    wait_for_assignment,
+)
 from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart.faults import InjectedFault, fire_faults
 from nemo_checkpointless.restart.groups import (
@@ -150,7 +155,6 @@ class _StepHooks:
                  stamps: RecoveryStamps) -> None:
         self.cfg, self.rank, self.world, self.run_dir = cfg, rank, world, run_dir
         self.engine, self.stamps = engine, stamps
-        self.training = False  # this process has started a training step (said to the launcher once)
         self.reentry: dict[str, float] = {}  # times of the phases of re-entering `fit` after a recovery
 
     @property
@@ -159,11 +163,8 @@ class _StepHooks:
 
     def batch_start(self, step: int) -> None:
         """`step` is 1-based, as `fault.plan` counts."""
-        if self.rank == 0 and not self.store.check([TRAIN_START_KEY]):
+        if mark_process_training(self.store) and self.rank == 0 and not self.store.check([TRAIN_START_KEY]):
             self.store.set(TRAIN_START_KEY, json.dumps(time.time()))
-        if not self.training:
-            self.training = True
-            self.store.set(training_key(os.getpid()), "1")
 
         def corrupt() -> None:
             self.engine.corrupt_next_send = True
@@ -268,20 +269,20 @@ def warm_up(cfg: Config) -> None:
 
     from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
 
-    build_model(cfg)
+    module = build_model(cfg)  # the Lightning module only: megatron's model is configured in `fit`
     strategy = CheckpointlessMegatronStrategy(num_instances=cfg.replication.num_instances,
                                               global_batch_size=global_batch_size(cfg), ckpt_async_save=False)
     nl.Trainer(accelerator=cfg.trainer.accelerator, devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
                max_steps=cfg.trainer.max_steps, strategy=strategy, logger=False, enable_checkpointing=False,
                enable_progress_bar=False, callbacks=[_callback()])
     try:
-        _warm_up_kernels(cfg)
+        _warm_up_kernels(cfg, module)
     except Exception as e:  # never fatal: the first real step compiles instead
         print(f"spare warm-up: forward/backward failed ({type(e).__name__}: {e}); the first step after a join "
               "will compile", flush=True)
 
 
-def _warm_up_kernels(cfg: Config) -> None:
+def _warm_up_kernels(cfg: Config, module: Any) -> None:
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.pipeline_parallel.schedules import custom_backward
 
@@ -291,7 +292,6 @@ def _warm_up_kernels(cfg: Config) -> None:
     try:
         parallel_state.initialize_model_parallel(1, 1)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-        module = build_model(cfg)
         module.configure_model()
         mb, seq = cfg.data.micro_batch_size, cfg.data.seq_len
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
@@ -447,10 +447,10 @@ def run() -> None:
                   f"{abandoned} old groups abandoned); entering fit again", flush=True)
 
 
-def main() -> int:
+def main() -> NoReturn:
     warnings.filterwarnings("ignore")
-    return run_worker(run)
+    run_worker(run)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

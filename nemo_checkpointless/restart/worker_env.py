@@ -9,7 +9,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from nemo_checkpointless.restart.groups import Membership, connect_store
 
@@ -56,7 +56,7 @@ def preload(cfg: Any) -> None:
             install()
 
 
-def run_worker(body: Callable[[], None]) -> int:
+def run_worker(body: Callable[[], None]) -> NoReturn:
     """A worker process's `main`: run `body`; a failure's traceback goes to the rank's log and the exit code to the
     launcher. Leaves with `os._exit`, skipping interpreter teardown: retired or abandoned gloo groups would join
     threads stuck in a dead collective."""
