@@ -20,7 +20,6 @@ import contextlib
 import ctypes
 import json
 import os
-import queue
 import shutil
 import signal
 import subprocess
@@ -38,7 +37,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from nemo_checkpointless.launcher.local import host_store
-from nemo_checkpointless.restart.groups import FAULT_KEY, Membership, connect_store
+from nemo_checkpointless.restart.groups import FAULT_KEY, Membership, connect_store, reap, wait_released
 from nemo_checkpointless.restart.worker_env import WorkerEnv
 
 __all__ = ["RankContext", "RankGroup", "launch_ranks", "run_threads"]
@@ -342,44 +341,23 @@ class _Outcome:
     membership: Membership | None = None
 
 
-_GRAVE: queue.SimpleQueue[Any] = queue.SimpleQueue()
-_grave_cond = threading.Condition()
-_grave_pending = 0
-_reaper: threading.Thread | None = None
 _DRAIN_AT_EXIT_S = 60.0
 
 
 def _bury(obj: Any) -> None:
-    """Hand the caller's last reference to `obj` to a daemon thread that drops it there.
+    """Hand the caller's last reference to `obj` to the package's reaper thread, which drops it there.
 
     Destroying a gloo group whose collective is stuck (a rank failed) blocks until that collective's timeout; done
     on the test's thread, it would stall a later, unrelated test at a random point (whenever the GC runs).
     """
-    global _grave_pending, _reaper
-    with _grave_cond:
-        _grave_pending += 1
-        if _reaper is None:
-            _reaper = threading.Thread(target=_reap_forever, name="harness-group-reaper", daemon=True)
-            _reaper.start()
-    _GRAVE.put(obj)
-
-
-def _reap_forever() -> None:
-    global _grave_pending
-    while True:
-        obj = _GRAVE.get()
-        del obj
-        with _grave_cond:
-            _grave_pending -= 1
-            _grave_cond.notify_all()
+    reap(obj)
 
 
 @atexit.register
 def _drain_grave() -> None:
     # A gloo group still being destroyed when the interpreter finalizes aborts the process ("terminate called
     # without an active exception", exit code 134), e.g. when the session's last test used run_threads.
-    with _grave_cond:
-        _grave_cond.wait_for(lambda: _grave_pending == 0, timeout=_DRAIN_AT_EXIT_S)
+    wait_released(_DRAIN_AT_EXIT_S)
 
 
 def _clear_frames(error: BaseException | None) -> None:

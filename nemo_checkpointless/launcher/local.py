@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from nemo_checkpointless.config import Config
 from nemo_checkpointless.data.cache import JOB_ID_KEY, new_job_id, remove_job_cache
+from nemo_checkpointless.restart.cost import RATE_WINDOW, StepTimes, fault_costs
 from nemo_checkpointless.restart.faults import injected_key
 from nemo_checkpointless.restart.groups import FAULT_KEY, alive_key, hang_key
-from nemo_checkpointless.restart.recovery import GENERATION_KEY, generation_info_key, record_key
+from nemo_checkpointless.restart.recovery import GENERATION_KEY, STEP_TIMES_KEY, generation_info_key, record_key
 from nemo_checkpointless.restart.worker_env import ENV_PREFIX, WorkerEnv
 
 TRAIN_START_KEY = "job/train_start"  # set by rank 0 when it starts its first training step
@@ -385,6 +386,14 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None) -> d
         # From the first training step of the job to the end, across every recovery (not one process's view).
         train_s = round(worker_summary["train_end_t"] - json.loads(store.get(TRAIN_START_KEY)), 3)
     final_step = worker_summary.get("final_step")
+    recoveries = job.records()
+    if store.check([STEP_TIMES_KEY]):
+        # The job time each fault cost, from rank 0's step times (not only the window around the fault).
+        times = StepTimes.parse(store.get(STEP_TIMES_KEY).decode())
+        times.write_csv(run_dir / "steps.csv")
+        for record, cost in zip(recoveries, fault_costs(times, [r["step"] for r in recoveries], final_step),
+                                strict=True):
+            record.update(cost.to_json())
     summary: dict[str, Any] = {
         "recipe": cfg.recipe_name,
         "world_size": world,
@@ -397,7 +406,8 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None) -> d
         "steps_per_s": round(final_step / train_s, 3) if final_step and train_s else None,
         "state_sha256": worker_summary.get("state_sha256"),
         "data_sha256": worker_summary.get("data_sha256"),
-        "recoveries": job.records(),
+        "rate_window_steps": RATE_WINDOW,
+        "recoveries": recoveries,
         "pids": {str(r): pids for r, pids in sorted(job.pids.items())},
     }
     tmp = run_dir / ".summary.json.tmp"
