@@ -25,11 +25,12 @@ import torch.distributed as dist
 
 from nemo_checkpointless.config import Config
 from nemo_checkpointless.data.cache import JOB_ID_KEY, new_job_id, remove_job_cache
+from nemo_checkpointless.launcher.spares import ForkedSpare, SpareFactory, become_child_subreaper
 from nemo_checkpointless.restart.cost import RATE_WINDOW, StepTimes, fault_costs
 from nemo_checkpointless.restart.faults import injected_key
 from nemo_checkpointless.restart.groups import FAULT_KEY, alive_key, hang_key
 from nemo_checkpointless.restart.recovery import GENERATION_KEY, STEP_TIMES_KEY, generation_info_key, record_key
-from nemo_checkpointless.restart.worker_env import ENV_PREFIX, WorkerEnv
+from nemo_checkpointless.restart.worker_env import ENV_PREFIX, LAUNCHER_PID_ENV, SPARE_ID_ENV, WorkerEnv
 
 TRAIN_START_KEY = "job/train_start"  # set by rank 0 when it starts its first training step
 
@@ -83,14 +84,17 @@ def spare_ready_key(spare_id: int) -> str:
 
 
 def wait_for_assignment(store: dist.Store, spare_id: int) -> dict[str, int]:
-    """A spare's wait for the launcher to hand it a rank: {"rank": r, "generation": g}."""
+    """A spare's wait for the launcher to hand it a rank: {"rank": r, "generation": g}. A spare whose launcher is
+    gone (it was re-parented, or the store stopped answering) exits instead of waiting for ever."""
     key = spare_assign_key(spare_id)
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
     while True:
         try:
             store.wait([key], datetime.timedelta(seconds=60))  # blocks in the store server: no polling load
             return dict(json.loads(store.get(key)))
-        except RuntimeError:  # a timeout: a spare may wait for hours
-            continue
+        except RuntimeError as e:  # a timeout (a spare may wait for hours), or the store is gone
+            if (launcher and os.getppid() != launcher) or "timeout" not in str(e).lower():
+                raise SystemExit(f"spare {spare_id}: the launcher is gone ({e}); exiting") from None
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -102,7 +106,7 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 @dataclass
 class _Proc:
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | ForkedSpare
     log: Path | None
     out: IO[bytes] | None
 
@@ -116,7 +120,8 @@ class _Job:
     worker_module: str
     ranks: dict[int, _Proc] = field(default_factory=dict)
     spares: dict[int, _Proc] = field(default_factory=dict)
-    pids: dict[int, list[int]] = field(default_factory=dict)
+    pids: dict[int, list[_Proc]] = field(default_factory=dict)  # every process that was rank r, in order
+    factory: SpareFactory | None = None
     faults: list[dict[str, Any]] = field(default_factory=list)
     next_spare: int = 0
     generation: int = 0
@@ -126,10 +131,20 @@ class _Job:
     hang_handled: set[int] = field(default_factory=set)  # generations whose hang report was acted on
     hung: set[int] = field(default_factory=set)
 
-    def _start(self, extra_env: dict[str, str], log_name: str | None) -> _Proc:
+    def process_env(self, extra_env: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ)
         threads = str(self.cfg.launcher.threads_per_rank)
-        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1", **extra_env)
+        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1",
+                   **{LAUNCHER_PID_ENV: str(os.getpid())}, **extra_env)
+        return env
+
+    def _start(self, extra_env: dict[str, str], log_name: str | None) -> _Proc:
+        popen, log, out = self._spawn(extra_env, log_name)
+        return _Proc(popen, log, out)
+
+    def _spawn(self, extra_env: dict[str, str], log_name: str | None
+               ) -> tuple[subprocess.Popen[bytes], Path | None, IO[bytes] | None]:
+        env = self.process_env(extra_env)
         out: IO[bytes] | None = None
         log = None
         if log_name is not None:
@@ -137,7 +152,7 @@ class _Job:
             out = os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
         popen = subprocess.Popen([sys.executable, "-m", self.worker_module], env=env, stdout=out,
                                  stderr=subprocess.STDOUT if out else None)
-        return _Proc(popen, log, out)
+        return popen, log, out
 
     def _env(self, rank: int) -> dict[str, str]:
         world = self.cfg.trainer.world_size
@@ -148,14 +163,25 @@ class _Job:
         if join_generation:
             env[f"{ENV_PREFIX}{'RESTART' if restart else 'JOIN'}_GENERATION"] = str(join_generation)
         self.ranks[rank] = self._start(env, None if rank == 0 else f"rank_{rank}.{len(self.pids.get(rank, []))}.log")
-        self.pids.setdefault(rank, []).append(self.ranks[rank].popen.pid)
+        self.pids.setdefault(rank, []).append(self.ranks[rank])
 
-    def start_spare(self) -> None:
+    def spare_env(self) -> dict[str, str]:
         env = self._env(0)
         del env["RANK"], env["LOCAL_RANK"]
-        env[f"{ENV_PREFIX}SPARE_ID"] = str(self.next_spare)
-        self.spares[self.next_spare] = self._start(env, f"spare_{self.next_spare}.log")
+        return env
+
+    def start_spare(self) -> None:
+        spare_id = self.next_spare
         self.next_spare += 1
+        env = {**self.spare_env(), SPARE_ID_ENV: str(spare_id)}
+        log_name = f"spare_{spare_id}.log"
+        if self.factory is None:
+            self.spares[spare_id] = self._start(env, log_name)
+            return
+        # Forked from the warm template: no imports, no warm-up on the cores the ranks train on.
+        log = self.run_dir / "logs" / log_name
+        self.spares[spare_id] = _Proc(self.factory.spare(spare_id, {SPARE_ID_ENV: str(spare_id)}, log,
+                                                         spawn=lambda: self._spawn(env, log_name)[0]), log, None)
 
     def replace(self, failed: list[int], codes: dict[int, int | None]) -> None:
         """Declare the current generation failed, give each failed rank a process, publish the next generation."""
@@ -200,7 +226,7 @@ class _Job:
                 proc = self.spares.pop(spare_id)
                 self.store.set(spare_assign_key(spare_id), json.dumps({"rank": rank, "generation": self.generation}))
                 self.ranks[rank] = proc
-                self.pids.setdefault(rank, []).append(proc.popen.pid)
+                self.pids.setdefault(rank, []).append(proc)
                 self.refill += 1
             else:
                 how[rank] = "cold start"
@@ -347,6 +373,11 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None) -> d
     try:
         for rank in range(world):
             job.start_rank(rank)
+        if cfg.replication.spares and become_child_subreaper():
+            log = os.fdopen(os.open(run_dir / "logs" / "spare_template.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                                    0o600), "wb")
+            job.factory = SpareFactory(job.worker_module, job.process_env(job.spare_env()), log)
+            log.close()  # the template holds its own descriptor
         for _ in range(cfg.replication.spares):
             job.start_spare()
         while True:
@@ -368,6 +399,8 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None) -> d
                 job.refill = 0
             time.sleep(POLL_S)
     finally:
+        if job.factory is not None:
+            job.factory.close()  # forks nothing more: every spare's pid is known below
         for p in [*job.ranks.values(), *job.spares.values()]:
             if p.popen.poll() is None:
                 p.popen.kill()
@@ -408,7 +441,7 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None) -> d
         "data_sha256": worker_summary.get("data_sha256"),
         "rate_window_steps": RATE_WINDOW,
         "recoveries": recoveries,
-        "pids": {str(r): pids for r, pids in sorted(job.pids.items())},
+        "pids": {str(r): [p.popen.pid for p in procs] for r, procs in sorted(job.pids.items())},
     }
     tmp = run_dir / ".summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2) + "\n")

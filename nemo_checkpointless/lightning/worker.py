@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -31,7 +32,7 @@ from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart import Membership, WorkerEnv
 from nemo_checkpointless.restart.groups import connect_store
 from nemo_checkpointless.restart.recovery import RecoveryEngine, RestartFromCheckpoint
-from nemo_checkpointless.restart.worker_env import ENV_PREFIX, preload, run_worker
+from nemo_checkpointless.restart.worker_env import ENV_PREFIX, SPARE_ID_ENV, preload, run_worker
 from nemo_checkpointless.topology import rank_info
 
 
@@ -142,20 +143,43 @@ def warm_up(cfg: Config) -> None:
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
 
 
-def run() -> None:
-    environ = os.environ
-    host, port = environ[f"{ENV_PREFIX}STORE_HOST"], int(environ[f"{ENV_PREFIX}STORE_PORT"])
-    run_dir = environ[f"{ENV_PREFIX}RUN_DIR"]
+@dataclass
+class _Prepared:
+    """What a rank or spare sets up before it needs the store: the config, the tokens, and (a spare) the warm-up."""
+
+    cfg: Config
+    tokens: Any
+    warm: bool = False
+
+
+def _prepare(run_dir: str) -> _Prepared:
     cfg = load_run_config(Path(run_dir))
     torch.set_num_threads(cfg.launcher.threads_per_rank)
     preload(cfg)
     assert cfg.data.path is not None, "the launcher resolves data.path before starting workers"
-    tokens = IndexedTokens(cfg.data.path).tokens
+    return _Prepared(cfg, IndexedTokens(cfg.data.path).tokens)
+
+
+def spare_template() -> Callable[[], None]:
+    """For `restart.template`: import and warm up once; each spare forked from here runs the returned function."""
+    prepared = _prepare(os.environ[f"{ENV_PREFIX}RUN_DIR"])
+    warm_up(prepared.cfg)
+    prepared.warm = True
+    return lambda: run(prepared)
+
+
+def run(prepared: _Prepared | None = None) -> None:
+    environ = os.environ
+    host, port = environ[f"{ENV_PREFIX}STORE_HOST"], int(environ[f"{ENV_PREFIX}STORE_PORT"])
+    run_dir = environ[f"{ENV_PREFIX}RUN_DIR"]
+    prepared = prepared or _prepare(run_dir)
+    cfg, tokens = prepared.cfg, prepared.tokens
     store = connect_store(host, port, cfg.launcher.start_timeout_s)
     join = JoinSpec()
-    if f"{ENV_PREFIX}SPARE_ID" in environ:
-        spare_id = int(environ[f"{ENV_PREFIX}SPARE_ID"])
-        warm_up(cfg)
+    if SPARE_ID_ENV in environ:
+        spare_id = int(environ[SPARE_ID_ENV])
+        if not prepared.warm:
+            warm_up(cfg)
         store.set(spare_ready_key(spare_id), "1")
         assignment = wait_for_assignment(store, spare_id)
         rank, world = assignment["rank"], int(environ["WORLD_SIZE"])

@@ -14,6 +14,8 @@ from typing import Any, NoReturn
 from nemo_checkpointless.restart.groups import Membership, connect_store
 
 ENV_PREFIX = "NCL_"
+SPARE_ID_ENV = f"{ENV_PREFIX}SPARE_ID"  # set for a hot spare instead of RANK
+LAUNCHER_PID_ENV = f"{ENV_PREFIX}LAUNCHER_PID"  # a spare exits when its launcher is gone
 
 
 @dataclass(frozen=True)

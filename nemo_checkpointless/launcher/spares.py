@@ -1,0 +1,149 @@
+"""The launcher's side of the spare template (`restart.template`): hot spares forked from one warm process.
+
+`SpareFactory.spare(...)` returns a `ForkedSpare` at once; the template forks it as soon as it is warm (requests
+made earlier wait in its stdin). If the template cannot serve (it failed, or its warm-up left threads running),
+each spare not yet forked starts as a new interpreter instead, as a spare without a template does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+TEMPLATE_MODULE = "nemo_checkpointless.restart.template"
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_child_subreaper() -> bool:
+    """Make this process adopt its orphaned descendants (Linux), so that the forked spares are its children."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+class ForkedSpare:
+    """A spare forked by the template, with the part of `subprocess.Popen`'s interface the launcher uses."""
+
+    def __init__(self, factory: SpareFactory, spare_id: int, spawn: Callable[[], subprocess.Popen[bytes]]) -> None:
+        self.factory, self.spare_id, self._spawn = factory, spare_id, spawn
+        self._pid: int | None = None
+        self._spawned: subprocess.Popen[bytes] | None = None
+        self.returncode: int | None = None
+
+    def _resolve(self) -> None:
+        if self._pid is None and self._spawned is None:
+            pid = self.factory.pid_of(self.spare_id)
+            if pid is not None:
+                self._pid = pid
+            elif self.factory.failed:
+                self._spawned = self._spawn()
+
+    @property
+    def pid(self) -> int:
+        self._resolve()
+        if self._spawned is not None:
+            return self._spawned.pid
+        return -1 if self._pid is None else self._pid
+
+    def poll(self) -> int | None:
+        self._resolve()
+        if self.returncode is not None:
+            return self.returncode
+        if self._spawned is not None:
+            self.returncode = self._spawned.poll()
+        elif self._pid is not None:
+            pid, status = os.waitpid(self._pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        self._resolve()
+        if self._spawned is not None:
+            self._spawned.kill()
+        elif self._pid is not None and self.returncode is None:
+            os.kill(self._pid, signal.SIGKILL)
+
+    def wait(self) -> int:
+        self._resolve()
+        while self.returncode is None:
+            if self._spawned is not None:
+                self.returncode = self._spawned.wait()
+            elif self._pid is not None:
+                _, status = os.waitpid(self._pid, 0)
+                self.returncode = os.waitstatus_to_exitcode(status)
+            else:  # never forked and never spawned: nothing ran
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+
+class SpareFactory:
+    """Starts the template (`python -m nemo_checkpointless.restart.template WORKER_MODULE`) and forks spares."""
+
+    def __init__(self, worker_module: str, env: dict[str, str], log: IO[bytes]) -> None:
+        self._lock = threading.Lock()
+        self._pids: dict[int, int] = {}
+        self.ready = False
+        self.failed: str | None = None
+        self.proc = subprocess.Popen([sys.executable, "-m", TEMPLATE_MODULE, worker_module], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+        self._reader = threading.Thread(target=self._read, name="ncl-spare-template", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                message: dict[str, Any] = json.loads(line)
+            except ValueError:
+                continue
+            with self._lock:
+                if "pid" in message:
+                    self._pids[int(message["id"])] = int(message["pid"])
+                elif message.get("ready"):
+                    self.ready = True
+                else:
+                    self.failed = str(message.get("why", "the template failed"))
+        with self._lock:  # the template exited: whatever it has not forked, it never will
+            if self.failed is None:
+                self.failed = f"the spare template exited (code {self.proc.wait()})"
+
+    def pid_of(self, spare_id: int) -> int | None:
+        with self._lock:
+            return self._pids.get(spare_id)
+
+    def spare(self, spare_id: int, extra_env: dict[str, str], log: Path,
+              spawn: Callable[[], subprocess.Popen[bytes]]) -> ForkedSpare:
+        """Ask for spare `spare_id` (forked when the template is warm); `spawn` starts it as a new interpreter if
+        the template cannot."""
+        if self.failed is None and self.proc.stdin is not None:
+            request = {"id": spare_id, "env": extra_env, "log": str(log)}
+            try:
+                self.proc.stdin.write((json.dumps(request) + "\n").encode())
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                with self._lock:
+                    self.failed = self.failed or "the spare template is gone"
+        return ForkedSpare(self, spare_id, spawn)
+
+    def close(self) -> None:
+        """Stop the template; afterwards no spare is forked any more (their pids are all known)."""
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout=5)
