@@ -9,9 +9,12 @@ steps), with the same fault plan (K SIGKILLs, GAP steps apart, on rotating ranks
   p2p          launcher.on_failure=recover: healthy ranks stay, the failed one is replaced from a replica
   restart      launcher.on_failure=restart_all: every rank restarts from the newest checkpoint (today's practice)
 
-For each fault: `recover_s` (fault -> first completed step after recovery) and `back_at_fault_step_s` (fault ->
-the step the fault interrupted is completed). Ratios are restart / p2p of the medians. Figures go to stdout and to
-the JSON file given by --out.
+For each fault: `recover_s` (fault -> first completed step after recovery), `back_at_fault_step_s` (fault -> the
+step the fault interrupted is completed) and what the user pays: `lost_s`, the job's extra wall time charged to
+that fault against the step rate just before it (`restart.cost`; it counts a slower job after the fault and the
+steps a restart redoes), with the step rates over the 20 steps before and after. Per run, `lost_vs_reference_s`
+is the same cost measured the other way: (training time - the fault-free reference's) / faults. Ratios are
+restart / p2p of the medians. Figures go to stdout and to the JSON file given by --out.
 
     python scripts/bench_recovery.py --kills 5 --out runs/bench/recovery.json
     python scripts/bench_recovery.py --engine nemo --kills 3 --out runs/bench/recovery_nemo.json   # [nemo] extra
@@ -92,12 +95,23 @@ def main() -> int:
             "back_at_fault_step_s": [r["back_at_fault_step_s"] for r in recs],
             "detect_s": [r["detect_s"] for r in recs],
             "steps_lost": [r["steps_lost"] for r in recs],
+            "lost_s": [r.get("lost_s") for r in recs],
+            "steps_per_s_before": [r.get("steps_per_s_before") for r in recs],
+            "steps_per_s_after": [r.get("steps_per_s_after") for r in recs],
+            "after_over_before": [round(r["steps_per_s_after"] / r["steps_per_s_before"], 3)
+                                  if r.get("steps_per_s_after") and r.get("steps_per_s_before") else None
+                                  for r in recs],
+            "replacement": [next(iter(r["replacement"].values()), None) for r in recs],
+            "train_s": s["train_s"],
             "median_recover_s": median([r["recover_s"] for r in recs]),
             "median_back_at_fault_step_s": median([r["back_at_fault_step_s"] for r in recs]),
+            "median_lost_s": median([r.get("lost_s") for r in recs]),
+            "lost_vs_reference_s": (round((s["train_s"] - ref["train_s"]) / len(recs), 3)
+                                    if recs and s["train_s"] and ref["train_s"] else None),
         }
     p2p, restart = report["runs"]["p2p"], report["runs"]["restart"]
     ratio = {}
-    for key in ("median_recover_s", "median_back_at_fault_step_s"):
+    for key in ("median_recover_s", "median_back_at_fault_step_s", "median_lost_s", "lost_vs_reference_s"):
         if p2p[key] and restart[key]:
             ratio[key] = round(restart[key] / p2p[key], 1)
     report["restart_over_p2p"] = ratio
@@ -109,6 +123,9 @@ def main() -> int:
     report["median_extra_over_a_step_s"] = extra
     if extra["p2p"] > 0:
         report["restart_over_p2p"]["extra_over_a_step"] = round(extra["restart"] / extra["p2p"], 1)
+    # The goal: a p2p fault costs the job at most twice its recovery window, and the job keeps its step rate.
+    if p2p["median_lost_s"] is not None and p2p["median_recover_s"]:
+        report["p2p_lost_over_recover"] = round(p2p["median_lost_s"] / p2p["median_recover_s"], 2)
     report["fault_free_overhead"] = round(results["plain"]["steps_per_s"] / ref["steps_per_s"] - 1, 3)
     text = json.dumps(report, indent=2)
     print(text)

@@ -34,6 +34,7 @@ import json
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -58,7 +59,7 @@ from nemo_checkpointless.restart.groups import (
     hang_key,
 )
 from nemo_checkpointless.restart.recovery import RecoveryEngine, RecoveryStamps, RestartFromCheckpoint
-from nemo_checkpointless.restart.worker_env import ENV_PREFIX, preload, run_worker
+from nemo_checkpointless.restart.worker_env import ENV_PREFIX, SPARE_ID_ENV, preload, run_worker
 from nemo_checkpointless.state.hashing import DataDigest, state_digest
 
 WORKER_SUMMARY = "worker_summary.json"
@@ -327,29 +328,44 @@ def _checkpoint_state(engine: RecoveryEngine, step: int) -> State | None:
     return received.state
 
 
-def run() -> None:
-    environ = os.environ
-    host, port = environ[f"{ENV_PREFIX}STORE_HOST"], int(environ[f"{ENV_PREFIX}STORE_PORT"])
-    run_dir = Path(environ[f"{ENV_PREFIX}RUN_DIR"])
+def _prepare(run_dir: Path) -> tuple[Config, Any]:
+    """The config and the tokens; the preload, then NeMo and megatron-core (a spare is warm once these are done)."""
     cfg = load_run_config(run_dir)
     torch.set_num_threads(cfg.launcher.threads_per_rank)
     preload(cfg)
-    # NeMo and megatron-core only now, after the preload (a spare is warm once these imports are done).
-    from nemo import lightning as nl
+    from nemo import lightning as nl  # noqa: F401  (the import is the warm-up)
 
     from nemo_checkpointless.data.indexed import IndexedTokens
+
+    assert cfg.data.path is not None, "the launcher resolves data.path before starting workers"
+    return cfg, IndexedTokens(cfg.data.path).tokens
+
+
+def spare_template() -> Callable[[], None]:
+    """For `restart.template`: import and warm up once; each spare forked from here runs the returned function."""
+    cfg, tokens = _prepare(Path(os.environ[f"{ENV_PREFIX}RUN_DIR"]))
+    warm_up(cfg)
+    return lambda: run((cfg, tokens, True))
+
+
+def run(prepared: tuple[Config, Any, bool] | None = None) -> None:
+    environ = os.environ
+    host, port = environ[f"{ENV_PREFIX}STORE_HOST"], int(environ[f"{ENV_PREFIX}STORE_PORT"])
+    run_dir = Path(environ[f"{ENV_PREFIX}RUN_DIR"])
+    cfg, tokens, warm = prepared or (*_prepare(run_dir), False)
+    from nemo import lightning as nl
+
     from nemo_checkpointless.nemo.data import clear_recorded
     from nemo_checkpointless.nemo.restart import FaultWatch, ReceivedState, abandon_default_group, own_boundary_state
     from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
 
-    assert cfg.data.path is not None, "the launcher resolves data.path before starting workers"
-    tokens = IndexedTokens(cfg.data.path).tokens
     store = connect_store(host, port, cfg.launcher.start_timeout_s)
     world = cfg.trainer.world_size
     join_generation = restart_generation = 0
-    if f"{ENV_PREFIX}SPARE_ID" in environ:
-        spare_id = int(environ[f"{ENV_PREFIX}SPARE_ID"])
-        warm_up(cfg)
+    if SPARE_ID_ENV in environ:
+        spare_id = int(environ[SPARE_ID_ENV])
+        if not warm:
+            warm_up(cfg)
         store.set(spare_ready_key(spare_id), "1")
         assignment = wait_for_assignment(store, spare_id)
         rank, join_generation = assignment["rank"], assignment["generation"]
