@@ -40,6 +40,17 @@ def test_a_restart_is_charged_the_steps_it_redoes() -> None:
     assert cost.rate_before == pytest.approx(10.0) and cost.rate_after == pytest.approx(10.0)
 
 
+def test_a_restart_is_not_charged_the_next_restart() -> None:
+    # Checkpoints every 10 steps; faults in steps 31 and 61, each restart takes 2 s and redoes steps 31.., 61..
+    a = _steady(1, 30, 0.0, 10.0)
+    b = _steady(31, 60, a[-1][1] + 2.0 + 0.1, 10.0)  # the first restart: nothing to redo (checkpoint at 30)
+    c = _steady(51, 90, b[-1][1] + 2.0, 10.0)  # the second restarts from 50: steps 51..60 again
+    first, second = fault_costs(_timeline(a + b + c), [31, 61], final_step=90)
+    assert first.lost_s == pytest.approx(2.0)
+    # 2 s from step 60 to the redone step 51 (in place of one step's 0.1 s), then steps 52..60 again.
+    assert second.lost_s == pytest.approx(2.0 - 0.1 + 10 * 0.1)
+
+
 def test_each_fault_is_charged_until_the_next_and_rates_never_span_a_fault() -> None:
     a = _steady(1, 30, 0.0, 10.0)
     b = _steady(31, 60, a[-1][1] + 1.0 + 0.1, 10.0)  # fault in step 31: 1 s

@@ -11,8 +11,10 @@ it again with a fresh Megatron setup on the next generation's default group:
   to the next `CheckpointlessMegatronStrategy`;
 - a replacement runs `RecoveryEngine.join` with a `ReceivedState` (it has no model yet), then passes the state it
   received as `resume=`;
-- `abandon_default_group()` forgets the failed default group and every group derived from it without destroying
-  them (destroying a gloo group with a collective stuck in it blocks; at interpreter exit a rank must `os._exit`).
+- `abandon_default_group()` takes the failed default group and every group derived from it out of
+  torch.distributed's tables and hands them to the reaper thread (`restart.groups.reap`), which destroys them
+  off the training thread once nothing else holds them: a forgotten gloo group keeps its sockets and can leave
+  its transport thread spinning on a core (see `restart.groups`).
 """
 
 from __future__ import annotations
@@ -22,26 +24,29 @@ from typing import Any
 import torch
 
 from nemo_checkpointless.nemo.adapter import MegatronParticipant
-
-# The abandoned groups stay referenced: their destructors would join gloo threads stuck in a dead collective.
-_ABANDONED: list[Any] = []
+from nemo_checkpointless.restart.groups import reap
 
 
 def abandon_default_group() -> int:
-    """Forget torch.distributed's default group and every group made from it, without shutting them down, so that
-    `init_process_group` can run again (the next generation). Returns how many groups were abandoned."""
+    """Take torch.distributed's default group and every group made from it out of its tables, so that
+    `init_process_group` can run again (the next generation), and destroy them on the reaper thread (megatron's
+    own handles to them are dropped first). Returns how many groups were abandoned."""
+    from megatron.core import parallel_state
     from torch.distributed import distributed_c10d as c10d
 
+    parallel_state.destroy_model_parallel()  # drops megatron's handles; destroys nothing
     world: Any = c10d._world
     groups = list(world.pg_map.keys())
-    _ABANDONED.extend(groups)
     c10d._update_default_pg(None)
     for table in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
                   "pg_coalesce_state"):
         getattr(world, table).clear()
     c10d._unregister_all_process_groups()
     world.group_count = 0
-    return len(groups)
+    count = len(groups)
+    reap(groups)
+    del groups
+    return count
 
 
 def own_boundary_state(participant: MegatronParticipant) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

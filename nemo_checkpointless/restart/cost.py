@@ -3,15 +3,16 @@
 `recover_s` ends when the first step after a recovery completes; a job can still be slower afterwards (a thread
 left spinning, a spare warming up on the same cores), and a whole-job restart also redoes lost steps. The cost a
 user pays is the job's extra wall time, so each fault is charged with the time from the last step completed
-before it to the last step completed before the next fault (or the end of the run), minus what those steps take
-at the job's step rate just before the fault:
+before it to the last step before the next fault (or the end of the run), minus what those steps take at the
+job's step rate just before the fault:
 
-    lost_s = (t_last[e] - t_first[s - 1]) - (e - (s - 1)) / rate_before
+    lost_s = (t[e] - t[s - 1]) - (e - (s - 1)) / rate_before
 
-where s is the step the fault interrupted, e the last step before the next fault, t_first / t_last the first and
-last time a step completed (a restart completes lost steps twice), and rate_before the step rate over the
-`window` steps before the fault (never reaching back past the previous fault). `rate_after` is the step rate over
-the `window` steps after step s completed again.
+where s is the step the fault interrupted, e the last step before the next fault, and t[k] the first time step
+k completed. A restart completes some steps twice; the first time is the one that belongs to this stretch of the
+run (steps below s first completed before the fault, steps from s on after it; a later fault's redo of them is
+that fault's cost). rate_before is the step rate over the `window` steps before the fault (never reaching back
+past the previous fault); `rate_after` the step rate over the `window` steps from step s on.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ RATE_WINDOW = 20
 
 @dataclass(frozen=True)
 class StepTimes:
-    """When each step completed: the first and the last time (unix seconds)."""
+    """When each step completed: the first and the last time (unix seconds; they differ for steps a restart
+    redid)."""
 
     first: dict[int, float]
     last: dict[int, float]
@@ -86,10 +88,11 @@ def fault_costs(times: StepTimes, fault_steps: Sequence[int | None], final_step:
         previous = max((p for p in known[:i] if p < s), default=1)  # step 1 holds the warm-up
         later = [n for n in fault_steps[i + 1:] if n is not None and n > s]
         end = (min(later) - 1) if later else end_of_run
-        before = _rate(times.first, max(s - 1 - window, previous), s - 1)
-        after = _rate(times.last, s, min(s + window, end))
+        t = times.first
+        before = _rate(t, max(s - 1 - window, previous), s - 1)
+        after = _rate(t, s, min(s + window, end))
         lost = None
-        if before is not None and end > s - 1 and end in times.last and (s - 1) in times.first:
-            lost = (times.last[end] - times.first[s - 1]) - (end - (s - 1)) / before
+        if before is not None and end > s - 1 and end in t and (s - 1) in t:
+            lost = (t[end] - t[s - 1]) - (end - (s - 1)) / before
         out.append(FaultCost(lost, before, after))
     return out
