@@ -20,6 +20,7 @@ Nothing here changes numerics: every op still runs on the CPU kernels it would r
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _installed = False
+_thread_state = threading.local()
 
 
 def _cpu_device(device: Any) -> Any:
@@ -87,12 +89,16 @@ def _stream_ctx(stream: Any = None) -> Iterator[None]:
 
 
 def install() -> None:
-    """Install every part of the shim in this process (idempotent). Call before megatron/NeMo build anything."""
+    """Install every part of the shim in this process (idempotent). Call before megatron/NeMo build anything.
+    The device mode lives on the calling thread's mode stack: a thread that builds models (a spare's warm-up
+    thread) calls `install` too."""
     global _installed
+    if not getattr(_thread_state, "mode", False):
+        _thread_state.mode = True
+        _CpuDeviceMode().__enter__()  # left entered for the life of the thread
     if _installed:
         return
     _installed = True
-    _CpuDeviceMode().__enter__()  # left entered for the life of the process (the main thread's mode stack)
 
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     torch.Tensor.pin_memory = lambda self, *a, **k: self  # type: ignore[method-assign]

@@ -30,6 +30,7 @@ from nemo_checkpointless.restart.cost import RATE_WINDOW, StepTimes, fault_costs
 from nemo_checkpointless.restart.faults import injected_key
 from nemo_checkpointless.restart.groups import FAULT_KEY, alive_key, hang_key
 from nemo_checkpointless.restart.recovery import GENERATION_KEY, STEP_TIMES_KEY, generation_info_key, record_key
+from nemo_checkpointless.restart.template import SPARE_REFILL_ENV
 from nemo_checkpointless.restart.worker_env import ENV_PREFIX, LAUNCHER_PID_ENV, SPARE_ID_ENV, WorkerEnv
 
 TRAIN_START_KEY = "job/train_start"  # set by rank 0 when it starts its first training step
@@ -170,17 +171,19 @@ class _Job:
         del env["RANK"], env["LOCAL_RANK"]
         return env
 
-    def start_spare(self) -> None:
+    def start_spare(self, refill: bool = False) -> None:
+        """A hot spare; a `refill` (started while the job trains) warms up at idle CPU priority."""
         spare_id = self.next_spare
         self.next_spare += 1
-        env = {**self.spare_env(), SPARE_ID_ENV: str(spare_id)}
+        extra = {SPARE_ID_ENV: str(spare_id), SPARE_REFILL_ENV: "1" if refill else "0"}
+        env = {**self.spare_env(), **extra}
         log_name = f"spare_{spare_id}.log"
         if self.factory is None:
             self.spares[spare_id] = self._start(env, log_name)
             return
         # Forked from the warm template: no imports, no warm-up on the cores the ranks train on.
         log = self.run_dir / "logs" / log_name
-        self.spares[spare_id] = _Proc(self.factory.spare(spare_id, {SPARE_ID_ENV: str(spare_id)}, log,
+        self.spares[spare_id] = _Proc(self.factory.spare(spare_id, extra, log,
                                                          spawn=lambda: self._spawn(env, log_name)[0]), log, None)
 
     def replace(self, failed: list[int], codes: dict[int, int | None]) -> None:
@@ -395,7 +398,7 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None) -> d
             job.watch_hangs(codes)
             if job.refill and job.recovery_done(job.generation):
                 for _ in range(job.refill):
-                    job.start_spare()
+                    job.start_spare(refill=True)
                 job.refill = 0
             time.sleep(POLL_S)
     finally:

@@ -114,6 +114,8 @@ class SpareFactory:
                     self.ready = True
                 else:
                     self.failed = str(message.get("why", "the template failed"))
+                    print(f"launcher: the spare template cannot fork spares: {self.failed}; spares start as new "
+                          "processes", file=sys.stderr, flush=True)
         with self._lock:  # the template exited: whatever it has not forked, it never will
             if self.failed is None:
                 self.failed = f"the spare template exited (code {self.proc.wait()})"

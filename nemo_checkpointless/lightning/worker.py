@@ -32,6 +32,7 @@ from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart import Membership, WorkerEnv
 from nemo_checkpointless.restart.groups import connect_store
 from nemo_checkpointless.restart.recovery import RecoveryEngine, RestartFromCheckpoint
+from nemo_checkpointless.restart.template import warm_up_at_idle_priority
 from nemo_checkpointless.restart.worker_env import ENV_PREFIX, SPARE_ID_ENV, preload, run_worker
 from nemo_checkpointless.topology import rank_info
 
@@ -178,8 +179,8 @@ def run(prepared: _Prepared | None = None) -> None:
     join = JoinSpec()
     if SPARE_ID_ENV in environ:
         spare_id = int(environ[SPARE_ID_ENV])
-        if not prepared.warm:
-            warm_up(cfg)
+        if not prepared.warm:  # started without the template
+            warm_up_at_idle_priority(lambda: warm_up(cfg))
         store.set(spare_ready_key(spare_id), "1")
         assignment = wait_for_assignment(store, spare_id)
         rank, world = assignment["rank"], int(environ["WORLD_SIZE"])

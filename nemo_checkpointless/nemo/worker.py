@@ -59,6 +59,7 @@ from nemo_checkpointless.restart.groups import (
     hang_key,
 )
 from nemo_checkpointless.restart.recovery import RecoveryEngine, RecoveryStamps, RestartFromCheckpoint
+from nemo_checkpointless.restart.template import warm_up_at_idle_priority
 from nemo_checkpointless.restart.worker_env import ENV_PREFIX, SPARE_ID_ENV, preload, run_worker
 from nemo_checkpointless.state.hashing import DataDigest, state_digest
 
@@ -342,10 +343,11 @@ def _prepare(run_dir: Path) -> tuple[Config, Any]:
 
 
 def spare_template() -> Callable[[], None]:
-    """For `restart.template`: import and warm up once; each spare forked from here runs the returned function."""
+    """For `restart.template`: the imports (~9 s of CPU here), once; each spare forked from here runs the returned
+    function, which still runs `warm_up` itself (~5 s): building NeMo's model and trainer starts threads (gloo
+    groups, tqdm's monitor) that a fork cannot carry."""
     cfg, tokens = _prepare(Path(os.environ[f"{ENV_PREFIX}RUN_DIR"]))
-    warm_up(cfg)
-    return lambda: run((cfg, tokens, True))
+    return lambda: run((cfg, tokens, False))
 
 
 def run(prepared: tuple[Config, Any, bool] | None = None) -> None:
@@ -365,7 +367,12 @@ def run(prepared: tuple[Config, Any, bool] | None = None) -> None:
     if SPARE_ID_ENV in environ:
         spare_id = int(environ[SPARE_ID_ENV])
         if not warm:
-            warm_up(cfg)
+            # A refill warms up at idle CPU priority (the preload again: the shim's mode is per thread).
+            def preload_and_warm_up() -> None:
+                preload(cfg)
+                warm_up(cfg)
+
+            warm_up_at_idle_priority(preload_and_warm_up)
         store.set(spare_ready_key(spare_id), "1")
         assignment = wait_for_assignment(store, spare_id)
         rank, join_generation = assignment["rank"], assignment["generation"]

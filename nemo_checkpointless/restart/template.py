@@ -16,17 +16,52 @@ Protocol, one line per message, JSON (no pickle) on the template's stdin/stdout:
   template -> launcher   {"id": n, "pid": p}                             spare n runs as process p
 Each spare is forked twice (the middle process exits at once), so that it is re-parented to the launcher, which
 is a child subreaper (`prctl(PR_SET_CHILD_SUBREAPER)`): the launcher then waits on it like on any of its children.
+
+What a spare must still do after the fork (NeMo's model and trainer build, one step: ~5 s of CPU; a spare started
+without a template: everything) it does at idle CPU priority when it refills the pool during training
+(`warm_up_at_idle_priority`, the launcher sets `SPARE_REFILL_ENV`): the work runs on a thread whose policy is
+`SCHED_IDLE` (Linux: the policy is per thread), which runs only on CPU time the training ranks leave unused. A
+refilled spare therefore takes longer to be ready on a loaded machine; during a recovery, when the survivors
+wait, it gets the cores. Threads the idle thread starts inherit its policy, so the work must not leave threads
+that matter later; an unprivileged thread cannot leave `SCHED_IDLE` again, which is why it gets a thread of its
+own. Spares started with the job warm up at normal priority.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+SPARE_REFILL_ENV = "NCL_SPARE_REFILL"  # "1": this spare refills the pool while the job trains
+
+
+def warm_up_at_idle_priority(fn: Callable[[], Any]) -> None:
+    """Run `fn()` on a `SCHED_IDLE` thread when this spare is a refill (else on this thread); re-raise its error."""
+    if os.environ.get(SPARE_REFILL_ENV) != "1":
+        fn()
+        return
+    error: list[BaseException] = []
+
+    def body() -> None:
+        with contextlib.suppress(AttributeError, OSError):  # not Linux, or not permitted: normal priority
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread only
+        try:
+            fn()
+        except BaseException as e:  # re-raised on the caller's thread
+            error.append(e)
+
+    thread = threading.Thread(target=body, name="ncl-idle-warm-up", daemon=True)
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
 
 
 def _say(message: dict[str, Any]) -> None:
@@ -34,11 +69,29 @@ def _say(message: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _native_threads() -> int:
+# Native threads that survive a fork by design: jemalloc (bundled by pyarrow, which NeMo imports) re-creates its
+# background threads in the child and guards its locks with pthread_atfork handlers.
+_FORK_SAFE_THREADS = frozenset({"jemalloc_bg_thd"})
+
+
+def _threads() -> list[str]:
+    """The names of this process's native threads other than the calling one and the fork-safe ones."""
+    names = []
     try:
-        return len(os.listdir("/proc/self/task"))
+        tids = os.listdir("/proc/self/task")
     except OSError:
-        return -1
+        return ["(unknown: no /proc)"]
+    for tid in tids:
+        if int(tid) == threading.get_native_id():
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # just ended
+            continue
+        if name not in _FORK_SAFE_THREADS:
+            names.append(name)
+    return names
 
 
 def _fork_spare(request: dict[str, Any], spare_main: Callable[[], None]) -> int:
@@ -90,9 +143,10 @@ def main() -> None:
         traceback.print_exc()
         _say({"ready": False, "why": f"warm-up failed: {type(e).__name__}: {e}"})
         return
-    threads = _native_threads()
-    if threads != 1:
-        _say({"ready": False, "why": f"the warm-up left {threads} threads running; a fork is only safe with one"})
+    threads = _threads()
+    if threads:
+        _say({"ready": False, "why": f"the warm-up left threads running ({', '.join(sorted(threads))}); a fork is "
+                                     "only safe from a single thread"})
         return
     _say({"ready": True})
     for line in sys.stdin:
