@@ -27,14 +27,34 @@ from nemo_checkpointless.nemo.adapter import MegatronParticipant
 from nemo_checkpointless.restart.groups import reap
 
 
+def drop_megatron_groups() -> None:
+    """Drop megatron-core's handles to its process groups (`destroy_model_parallel` destroys nothing), so that a
+    generation's groups (and their threads) do not outlive it. Found on megatron-core 0.15.3, beyond what
+    `destroy_model_parallel` resets: `_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP` and its gloo twin stay set, and
+    `RotaryEmbedding.forward` is an `lru_cache` that keeps every instance it saw (and its `cp_group`) alive. If a
+    later release renames them, there is nothing to reset and nothing breaks."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    for name in ("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO"):
+        if hasattr(parallel_state, name):
+            setattr(parallel_state, name, None)
+    try:
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    except ImportError:
+        return
+    cache_clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
+    if callable(cache_clear):
+        cache_clear()
+
+
 def abandon_default_group() -> int:
     """Take torch.distributed's default group and every group made from it out of its tables, so that
     `init_process_group` can run again (the next generation), and destroy them on the reaper thread (megatron's
     own handles to them are dropped first). Returns how many groups were abandoned."""
-    from megatron.core import parallel_state
     from torch.distributed import distributed_c10d as c10d
 
-    parallel_state.destroy_model_parallel()  # drops megatron's handles; destroys nothing
+    drop_megatron_groups()
     world: Any = c10d._world
     groups = list(world.pg_map.keys())
     c10d._update_default_pg(None)

@@ -303,7 +303,9 @@ def _warm_up_kernels(cfg: Config, module: Any) -> None:
         loss = module.module(input_ids=tokens, position_ids=positions, attention_mask=mask, labels=tokens)
         custom_backward(loss.float().sum(), None)
     finally:
-        parallel_state.destroy_model_parallel()
+        from nemo_checkpointless.nemo.restart import drop_megatron_groups
+
+        drop_megatron_groups()
         dist.destroy_process_group()
 
 
@@ -343,11 +345,21 @@ def _prepare(run_dir: Path) -> tuple[Config, Any]:
 
 
 def spare_template() -> Callable[[], None]:
-    """For `restart.template`: the imports (~9 s of CPU here), once; each spare forked from here runs the returned
-    function, which still runs `warm_up` itself (~5 s): building NeMo's model and trainer starts threads (gloo
-    groups, tqdm's monitor) that a fork cannot carry."""
+    """For `restart.template`: the imports and `warm_up` (~9 s and ~5 s of CPU here), once; each spare forked from
+    here runs the returned function. The warm-up's threads are ended first, for the fork: its private groups are
+    destroyed (`warm_up` drops megatron's handles) and tqdm's monitor thread is stopped (tqdm starts another when
+    it needs one)."""
+    import gc
+
     cfg, tokens = _prepare(Path(os.environ[f"{ENV_PREFIX}RUN_DIR"]))
-    return lambda: run((cfg, tokens, False))
+    warm_up(cfg)
+    from tqdm import tqdm
+
+    if getattr(tqdm, "monitor", None) is not None:
+        tqdm.monitor.exit()
+        tqdm.monitor = None
+    gc.collect()  # the warm-up's model and groups sit in reference cycles; their threads end when they go
+    return lambda: run((cfg, tokens, True))
 
 
 def run(prepared: tuple[Config, Any, bool] | None = None) -> None:
