@@ -234,6 +234,8 @@ class LauncherConfig:
     collective_timeout_s: float = 30.0
     start_timeout_s: float = 300.0
     threads_per_rank: int = 1
+    # Faults in a row whose recovery did not complete (complete: every rank finished a step after it). A job that
+    # runs for weeks recovers any number of times; it stops only when recoveries keep failing.
     max_restarts: int = 10
     # recover: keep healthy ranks, replace the failed ones (this project). restart_all: kill every rank and
     # restart the whole job from the persistent checkpoint (what jobs do today; the benchmark's baseline).

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,6 +42,8 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"
 
 
 def run(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
+    # A fresh directory: a whole-job restart resumes from the newest checkpoint it finds there.
+    shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "nemo_checkpointless.cli.train", "trainer.progress_bar=false",
            f"run.dir={run_dir}", *overrides]
     t0 = time.perf_counter()

@@ -128,3 +128,16 @@ def test_single_instance_falls_back_to_checkpoint_with_a_cold_replacement(
     assert rec["path"] == "checkpoint" and rec["resumed_from_step"] == 5 and rec["steps_lost"] == 2, rec
     assert "no replica" in rec["reason"] or "replica" in rec["reason"], rec
     assert_healthy_kept_pids(summary)
+
+
+def test_the_restart_budget_counts_failures_in_a_row_not_the_runs_recoveries(
+        workdir: Path, reference: dict[str, Any]) -> None:
+    """`launcher.max_restarts=2` and five kills, each recovered before the next: a job that recovers every time
+    is never stopped by its budget (the budget counts faults whose recovery did not complete)."""
+    plan = ",".join(f"{{kind:kill,rank:{r},step:{s}}}" for r, s in ((1, 3), (2, 7), (3, 11), (0, 15), (1, 19)))
+    summary = run_job(workdir, "budget", "replication.num_instances=2", "replication.spares=1",
+                      "launcher.max_restarts=2", f"fault.plan=[{plan}]")
+    assert_equal_to(reference, summary)
+    recs = summary["recoveries"]
+    assert [r["failed_ranks"] for r in recs] == [[1], [2], [3], [0], [1]], recs
+    assert all(r["path"] == "p2p" for r in recs), recs

@@ -127,6 +127,7 @@ class _Job:
     next_spare: int = 0
     generation: int = 0
     refill: int = 0
+    unrecovered: int = 0  # faults since the last recovery that completed (every rank finished a step after it)
     seen_injections: set[int] = field(default_factory=set)
     hang_deadline: float | None = None
     hang_handled: set[int] = field(default_factory=set)  # generations whose hang report was acted on
@@ -190,10 +191,11 @@ class _Job:
         """Declare the current generation failed, give each failed rank a process, publish the next generation."""
         t_seen = time.time()
         self.generation += 1
-        if self.generation > self.cfg.launcher.max_restarts:
-            raise LaunchError(f"rank(s) {failed} failed; {self.generation - 1} recoveries already happened "
-                              f"(launcher.max_restarts={self.cfg.launcher.max_restarts}); giving up. "
-                              f"{self.where(failed[0])}")
+        self.unrecovered += 1
+        if self.unrecovered > self.cfg.launcher.max_restarts:
+            raise LaunchError(f"rank(s) {failed} failed; {self.unrecovered - 1} faults in a row did not recover "
+                              f"(launcher.max_restarts={self.cfg.launcher.max_restarts} counts faults whose recovery "
+                              f"did not complete); giving up. {self.where(failed[0])}")
         injected = self._injected(failed)
         # A process that failed before it ever trained (and was not made to) has a set-up error (an import, the
         # config, the machine), not a fault a replacement would survive: stop at once instead of replacing it
@@ -376,7 +378,8 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None) -> d
     try:
         for rank in range(world):
             job.start_rank(rank)
-        if cfg.replication.spares and become_child_subreaper():
+        # Our own workers have a spare template (restart.template); a worker module of one's own is not imported.
+        if cfg.replication.spares and job.worker_module in WORKER_MODULES.values() and become_child_subreaper():
             log = os.fdopen(os.open(run_dir / "logs" / "spare_template.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
                                     0o600), "wb")
             job.factory = SpareFactory(job.worker_module, job.process_env(job.spare_env()), log)
@@ -396,6 +399,8 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None) -> d
             if all(c == 0 for c in codes.values()):
                 break
             job.watch_hangs(codes)
+            if job.unrecovered and job.recovery_done(job.generation):
+                job.unrecovered = 0  # the restart budget counts failures in a row, not the run's recoveries
             if job.refill and job.recovery_done(job.generation):
                 for _ in range(job.refill):
                     job.start_spare(refill=True)

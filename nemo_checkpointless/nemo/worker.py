@@ -370,7 +370,13 @@ def run(prepared: tuple[Config, Any, bool] | None = None) -> None:
     from nemo import lightning as nl
 
     from nemo_checkpointless.nemo.data import clear_recorded
-    from nemo_checkpointless.nemo.restart import FaultWatch, ReceivedState, abandon_default_group, own_boundary_state
+    from nemo_checkpointless.nemo.restart import (
+        FaultWatch,
+        ReceivedState,
+        abandon_default_group,
+        forget_failure,
+        own_boundary_state,
+    )
     from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
 
     store = connect_store(host, port, cfg.launcher.start_timeout_s)
@@ -475,6 +481,7 @@ def run(prepared: tuple[Config, Any, bool] | None = None) -> None:
                 resume = _checkpoint_state(engine, restart.decision.step)
                 how = f"from the checkpoint of step {restart.decision.step} ({restart.decision.reason})"
             del part, strategy, trainer, model, data
+            forget_failure(e)
             abandoned = abandon_default_group()
             stamps.track(membership.generation)
             hooks.reentry = {"recovered": time.time()}
