@@ -26,6 +26,7 @@ restart / p2p of the medians. Figures go to stdout and to the JSON file given by
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import shutil
@@ -39,6 +40,8 @@ from typing import Any
 GAP = 40  # steps between kills: time for the refilled spare to finish its imports on 2 busy cores
 GAP_NEMO = 120  # a refilled NeMo spare needs ~25 s on 2 busy cores (imports, warm-up); a step is ~0.25 s
 TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path.insert(0, str(TESTS.parent))
+from nemo_checkpointless.restart.cost import StepTimes, fault_costs  # noqa: E402
 
 
 def run(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
@@ -115,7 +118,7 @@ def main() -> int:
     p2p, restart = report["runs"]["p2p"], report["runs"]["restart"]
     ratio = {}
     for key in ("median_recover_s", "median_back_at_fault_step_s", "median_lost_s", "lost_vs_reference_s"):
-        if p2p[key] and restart[key]:
+        if p2p[key] and restart[key] and p2p[key] > 0:
             ratio[key] = round(restart[key] / p2p[key], 1)
     report["restart_over_p2p"] = ratio
     # Both measures include the step in flight, which a fault-free run spends too: also compare the time beyond it.
@@ -126,6 +129,13 @@ def main() -> int:
     report["median_extra_over_a_step_s"] = extra
     if extra["p2p"] > 0:
         report["restart_over_p2p"]["extra_over_a_step"] = round(extra["restart"] / extra["p2p"], 1)
+    # The noise floor of the rate comparison: the same before/after windows, at the same steps, in the fault-free
+    # reference run.
+    times = StepTimes.parse("".join(f"{row['step']} {row['first_t']};" for row in
+                                    csv.DictReader((base / "reference" / "steps.csv").open())))
+    noise = fault_costs(times, [step for step, _ in faults], ref["final_step"])
+    report["reference_after_over_before"] = [round(c.rate_after / c.rate_before, 3)
+                                             if c.rate_after and c.rate_before else None for c in noise]
     # The goal: a p2p fault costs the job at most twice its recovery window, and the job keeps its step rate.
     if p2p["median_lost_s"] is not None and p2p["median_recover_s"]:
         report["p2p_lost_over_recover"] = round(p2p["median_lost_s"] / p2p["median_recover_s"], 2)

@@ -19,8 +19,6 @@ it again with a fresh Megatron setup on the next generation's default group:
 
 from __future__ import annotations
 
-import gc
-import traceback
 from typing import Any
 
 import torch
@@ -59,10 +57,6 @@ def abandon_default_group() -> int:
     drop_megatron_groups()
     world: Any = c10d._world
     groups = list(world.pg_map.keys())
-    # The previous fit's objects (model, DDP buckets, optimizer) hold the groups too, in reference cycles: collect
-    # them now, while `groups` still holds every group, so that the reaper's is the last reference (a destructor
-    # run by a later collection would run on the training thread).
-    gc.collect()
     c10d._update_default_pg(None)
     for table in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
                   "pg_coalesce_state"):
@@ -73,17 +67,6 @@ def abandon_default_group() -> int:
     reap(groups)
     del groups
     return count
-
-
-def forget_failure(error: BaseException) -> None:
-    """Clear the locals of a caught failure's frames (NeMo's and megatron's objects of the failed fit, which hold
-    its process groups), keeping its message; before `abandon_default_group`."""
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)
-        e = e.__cause__ or e.__context__
 
 
 def own_boundary_state(participant: MegatronParticipant) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

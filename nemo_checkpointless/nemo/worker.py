@@ -374,7 +374,6 @@ def run(prepared: tuple[Config, Any, bool] | None = None) -> None:
         FaultWatch,
         ReceivedState,
         abandon_default_group,
-        forget_failure,
         own_boundary_state,
     )
     from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
@@ -481,7 +480,6 @@ def run(prepared: tuple[Config, Any, bool] | None = None) -> None:
                 resume = _checkpoint_state(engine, restart.decision.step)
                 how = f"from the checkpoint of step {restart.decision.step} ({restart.decision.reason})"
             del part, strategy, trainer, model, data
-            forget_failure(e)
             abandoned = abandon_default_group()
             stamps.track(membership.generation)
             hooks.reentry = {"recovered": time.time()}
