@@ -83,7 +83,9 @@ def test_kill_then_hang_recover_p2p_in_process_and_end_bitwise_equal(reference: 
     kill, hang = summary["recoveries"]
     assert kill["failed_ranks"] == [1] and kill["fault_kind"] == "kill" and kill["path"] == "p2p", kill
     assert kill["step"] == 4 and kill["resumed_from_step"] == 3 and kill["steps_lost"] == 0, kill
-    assert kill["bytes_received"] > 0 and kill["replacement"] == {"1": "warm spare"}, kill
+    # A spare takes rank 1. Whether it had finished its warm-up by step 4 depends on the machine's speed (on a
+    # slow machine the template is still importing NeMo): both are spares, neither is a cold start.
+    assert kill["bytes_received"] > 0 and kill["replacement"]["1"] in ("warm spare", "starting spare"), kill
     assert hang["failed_ranks"] == [2] and hang["fault_kind"] == "hang" and hang["path"] == "p2p", hang
     assert hang["step"] == 7 and hang["steps_lost"] == 0 and hang["bytes_received"] > 0, hang
     # Tier 2: rank 1's replacement trains its first step on the batch rank 1's prefetch left in shared memory.
