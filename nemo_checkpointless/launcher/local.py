@@ -23,35 +23,25 @@ from typing import IO, Any
 
 import torch.distributed as dist
 
+from nemo_checkpointless import protocol
 from nemo_checkpointless.config import Config
 from nemo_checkpointless.data.cache import JOB_ID_KEY, new_job_id, remove_job_cache
 from nemo_checkpointless.launcher.spares import ForkedSpare, SpareFactory, become_child_subreaper
+from nemo_checkpointless.protocol import (
+    ENV_PREFIX,
+    LAUNCHER_PID_ENV,
+    SPARE_ID_ENV,
+    TRAIN_START_KEY,
+    spare_assign_key,
+    spare_ready_key,
+    training_key,
+)
 from nemo_checkpointless.restart.cost import RATE_WINDOW, StepTimes, fault_costs
 from nemo_checkpointless.restart.faults import injected_key
 from nemo_checkpointless.restart.groups import FAULT_KEY, alive_key, hang_key
 from nemo_checkpointless.restart.recovery import GENERATION_KEY, STEP_TIMES_KEY, generation_info_key, record_key
 from nemo_checkpointless.restart.template import SPARE_REFILL_ENV
-from nemo_checkpointless.restart.worker_env import ENV_PREFIX, LAUNCHER_PID_ENV, SPARE_ID_ENV, WorkerEnv
-
-TRAIN_START_KEY = "job/train_start"  # set by rank 0 when it starts its first training step
-
-
-def training_key(pid: int) -> str:
-    """Set by a worker process of ours when it starts its first training step."""
-    return f"job/training/{pid}"
-
-
-_TRAINING: list[int] = []  # this process's pid once it has said that it trains
-
-
-def mark_process_training(store: dist.Store) -> bool:
-    """Called by our workers before every training step; says once per process that it trains (`training_key`).
-    True on that first call only."""
-    if _TRAINING:
-        return False
-    _TRAINING.append(os.getpid())
-    store.set(training_key(os.getpid()), "1")
-    return True
+from nemo_checkpointless.restart.worker_env import WorkerEnv
 
 WORKER_MODULE = "nemo_checkpointless.lightning.worker"
 WORKER_MODULES = {"lightning": WORKER_MODULE, "nemo": "nemo_checkpointless.nemo.worker"}  # by `engine`
@@ -62,40 +52,42 @@ GRACE_S = 0.01
 
 
 class LaunchError(RuntimeError):
-    """A worker failed and the job could not continue."""
+    """A worker failed and the job could not continue; `exit_code` is the failed worker's (1 if none)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
-def host_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:
-    """A TCPStore server listening on `host` only (TCPStore alone would listen on every interface)."""
+def _die_with_parent() -> None:
+    """In a child before exec: SIGKILL when the launcher dies (Linux), so no rank outlives it."""
+    import contextlib
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def host_store(host: str, timeout_s: float, port: int | None = None) -> tuple[dist.TCPStore, int]:
+    """A TCPStore server listening on `host` only (TCPStore alone would listen on every interface), on `port`
+    (default: a free one)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((host, 0))
+    try:
+        sock.bind((host, port or 0))
+    except OSError as e:
+        sock.close()
+        from nemo_checkpointless.errors import ConfigError
+
+        raise ConfigError("--master-port" if port else "launcher.host", f"{host}:{port or 0}",
+                          f"cannot be bound for the job's store ({e.strerror})",
+                          "pick a free port (or leave --master-port out for any free one), on an interface of "
+                          "this machine") from None
     sock.listen(128)
     port = sock.getsockname()[1]
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
                           timeout=datetime.timedelta(seconds=timeout_s))
     return store, port
-
-
-def spare_assign_key(spare_id: int) -> str:
-    return f"job/spare/{spare_id}/assign"
-
-
-def spare_ready_key(spare_id: int) -> str:
-    return f"job/spare/{spare_id}/ready"
-
-
-def wait_for_assignment(store: dist.Store, spare_id: int) -> dict[str, int]:
-    """A spare's wait for the launcher to hand it a rank: {"rank": r, "generation": g}. A spare whose launcher is
-    gone (it was re-parented, or the store stopped answering) exits instead of waiting for ever."""
-    key = spare_assign_key(spare_id)
-    launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
-    while True:
-        try:
-            store.wait([key], datetime.timedelta(seconds=60))  # blocks in the store server: no polling load
-            return dict(json.loads(store.get(key)))
-        except RuntimeError as e:  # a timeout (a spare may wait for hours), or the store is gone
-            if (launcher and os.getppid() != launcher) or "timeout" not in str(e).lower():
-                raise SystemExit(f"spare {spare_id}: the launcher is gone ({e}); exiting") from None
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -119,6 +111,10 @@ class _Job:
     store: dist.TCPStore
     port: int
     worker_module: str
+    # A user's command (checkpointless-run: `script.py ARGS`, `-m module ARGS`) instead of our worker module;
+    # its ranks get torchrun's environment.
+    command: list[str] | None = None
+    run_id: str = ""
     ranks: dict[int, _Proc] = field(default_factory=dict)
     spares: dict[int, _Proc] = field(default_factory=dict)
     pids: dict[int, list[_Proc]] = field(default_factory=dict)  # every process that was rank r, in order
@@ -152,13 +148,40 @@ class _Job:
         if log_name is not None:
             log = self.run_dir / "logs" / log_name
             out = os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
-        popen = subprocess.Popen([sys.executable, "-m", self.worker_module], env=env, stdout=out,
-                                 stderr=subprocess.STDOUT if out else None)
+        argv = [sys.executable, "-m", self.worker_module] if self.command is None else self.command
+        popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                 preexec_fn=_die_with_parent)
         return popen, log, out
 
     def _env(self, rank: int) -> dict[str, str]:
         world = self.cfg.trainer.world_size
-        return WorkerEnv(rank, world, rank, self.cfg.launcher.host, self.port, str(self.run_dir)).to_environ()
+        env = WorkerEnv(rank, world, rank, self.cfg.launcher.host, self.port, str(self.run_dir)).to_environ()
+        if self.command is not None:
+            env.update(self.torchrun_env(rank))
+        return env
+
+    def torchrun_env(self, rank: int | None) -> dict[str, str]:
+        """What torchrun sets for a worker (one node), plus the job's settings for `CheckpointlessStrategy`. The
+        store is the launcher's: `TORCHELASTIC_USE_AGENT_STORE` makes `init_process_group` a client of it on
+        every rank (rank 0 does not host one)."""
+        world, launcher = self.cfg.trainer.world_size, self.cfg.launcher
+        env = {"LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
+               "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": launcher.host, "MASTER_PORT": str(self.port),
+               "TORCHELASTIC_RUN_ID": self.run_id, "TORCHELASTIC_RESTART_COUNT": str(self.generation),
+               "TORCHELASTIC_MAX_RESTARTS": str(launcher.max_restarts), "TORCHELASTIC_USE_AGENT_STORE": "True",
+               protocol.COLLECTIVE_TIMEOUT_ENV: str(launcher.collective_timeout_s),
+               protocol.START_TIMEOUT_ENV: str(launcher.start_timeout_s),
+               protocol.CHECKPOINT_EVERY_ENV: str(self.cfg.checkpoint.every_n_steps)}
+        if self.cfg.checkpoint.dir:
+            env[protocol.CHECKPOINT_DIR_ENV] = self.cfg.checkpoint.dir
+        if self.cfg.replication.num_instances > 1:
+            env[protocol.NUM_INSTANCES_ENV] = str(self.cfg.replication.num_instances)
+        if self.cfg.fault.plan:
+            env[protocol.FAULT_PLAN_ENV] = json.dumps([vars(f) for f in self.cfg.fault.plan])
+        if rank is not None:
+            error_file = self.run_dir / "logs" / f"error_rank{rank}.{len(self.pids.get(rank, []))}.json"
+            env.update(ROLE_RANK=str(rank), TORCHELASTIC_ERROR_FILE=str(error_file))
+        return env
 
     def start_rank(self, rank: int, join_generation: int = 0, restart: bool = False) -> None:
         env = self._env(rank)
@@ -169,7 +192,8 @@ class _Job:
 
     def spare_env(self) -> dict[str, str]:
         env = self._env(0)
-        del env["RANK"], env["LOCAL_RANK"]
+        for key in ("RANK", "LOCAL_RANK", "ROLE_RANK", "TORCHELASTIC_ERROR_FILE"):
+            env.pop(key, None)
         return env
 
     def start_spare(self, refill: bool = False) -> None:
@@ -195,17 +219,23 @@ class _Job:
         if self.unrecovered > self.cfg.launcher.max_restarts:
             raise LaunchError(f"rank(s) {failed} failed; {self.unrecovered - 1} faults in a row did not recover "
                               f"(launcher.max_restarts={self.cfg.launcher.max_restarts} counts faults whose recovery "
-                              f"did not complete); giving up. {self.where(failed[0])}")
+                              f"did not complete); giving up. {self.where(failed[0]) if failed else ''}",
+                              exit_code=max(1, codes[failed[0]] or 1) if failed else 1)
         injected = self._injected(failed)
         # A process that failed before it ever trained (and was not made to) has a set-up error (an import, the
         # config, the machine), not a fault a replacement would survive: stop at once instead of replacing it
         # launcher.max_restarts times. Our workers say when they start training; a worker of one's own may not.
+        # A death by a signal (SIGKILL, SIGSEGV, SIGTERM from outside) is a fault, whenever it comes; when one rank
+        # died by a signal, the others' errors are its consequence.
         broken = [r for r in failed if r not in injected and r not in self.hung
                   and not self.store.check([training_key(self.ranks[r].popen.pid)])]
-        if broken and self.worker_module in WORKER_MODULES.values():
+        by_signal = any((codes[r] or 0) < 0 for r in failed)
+        if broken and self.command is not None:
+            broken = [] if by_signal else [r for r in broken if (codes[r] or 0) > 0]
+        if broken and (self.command is not None or self.worker_module in WORKER_MODULES.values()):
             raise LaunchError(f"rank(s) {failed} failed before training (exit code {codes[broken[0]]}); "
-                              f"{self.where(broken[0])}")
-        restart_all = self.cfg.launcher.on_failure == "restart_all"
+                              f"{self.where(broken[0])}", exit_code=codes[broken[0]] or 1)
+        restart_all = self.cfg.launcher.on_failure == "restart_all" or not self.recovers_in_process()
         if restart_all:
             # The baseline: stop every process, as a job restart does, and start the whole job again.
             for p in [*self.ranks.values(), *self.spares.values()]:
@@ -277,6 +307,15 @@ class _Job:
         for r in silent:
             self.hung.add(r)
             self.ranks[r].popen.kill()
+
+    def recovers_in_process(self) -> bool:
+        """Whether the job's processes recover in place (they run `CheckpointlessStrategy`). A user's script whose
+        running ranks never said so (tier 1: the launcher alone, e.g. plain DDP) is restarted whole, from its own
+        checkpoint, with the store kept: `TORCHELASTIC_RESTART_COUNT` moves `init_process_group` to fresh keys."""
+        if self.command is None:
+            return True
+        live = [p.popen.pid for p in self.ranks.values() if p.popen.poll() is None]
+        return bool(live) and all(self.store.check([protocol.checkpointless_key(pid)]) for pid in live)
 
     def where(self, rank: int) -> str:
         """Where a failed rank's error is: the last line of its log, and the log (rank 0 writes to this terminal)."""
@@ -361,16 +400,19 @@ class _Job:
         return out
 
 
-def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None) -> dict[str, Any]:
+def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None,
+              command: list[str] | None = None, port: int | None = None) -> dict[str, Any]:
     """Run the job described by `run_dir/config.yaml` on `cfg.trainer.devices` local ranks; return the summary.
-    Each rank runs `python -m worker_module` (default: the worker of `cfg.engine`).
+    Each rank runs `python -m worker_module` (default: the worker of `cfg.engine`), or `command` (a user's
+    script under `checkpointless-run`, with torchrun's environment).
 
     Rank 0 writes to this process's terminal; the others write to `run_dir/logs/rank_<r>.<n>.log`.
     """
     t0 = time.perf_counter()
-    store, port = host_store(cfg.launcher.host, cfg.launcher.start_timeout_s)
+    store, port = host_store(cfg.launcher.host, cfg.launcher.start_timeout_s, port)
     (run_dir / "logs").mkdir(mode=0o700, parents=True, exist_ok=True)
-    job = _Job(cfg, run_dir, store, port, worker_module or WORKER_MODULES[cfg.engine])
+    job = _Job(cfg, run_dir, store, port, worker_module or WORKER_MODULES[cfg.engine], command=command,
+               run_id=f"ncl-{os.getpid()}-{int(time.time())}")
     store.set(GENERATION_KEY, "0")
     job_id = new_job_id()  # names the job's batch cache (data.loader=mmap); removed below when the job ends
     store.set(JOB_ID_KEY, job_id)
@@ -379,7 +421,8 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None) -> d
         for rank in range(world):
             job.start_rank(rank)
         # Our own workers have a spare template (restart.template); a worker module of one's own is not imported.
-        if cfg.replication.spares and job.worker_module in WORKER_MODULES.values() and become_child_subreaper():
+        if (cfg.replication.spares and command is None and job.worker_module in WORKER_MODULES.values()
+                and become_child_subreaper()):
             log = os.fdopen(os.open(run_dir / "logs" / "spare_template.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
                                     0o600), "wb")
             job.factory = SpareFactory(job.worker_module, job.process_env(job.spare_env()), log)

@@ -9,13 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from nemo_checkpointless.config import FaultSpec
-from nemo_checkpointless.launcher.local import TRAIN_START_KEY, mark_process_training
 from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy
+from nemo_checkpointless.protocol import FAULT_PLAN_ENV, RUN_DIR_ENV, TRAIN_START_KEY, mark_process_training
 from nemo_checkpointless.restart.faults import fire_faults
 from nemo_checkpointless.state.hashing import batch_hash
 
@@ -26,13 +25,22 @@ class CheckpointlessCallback(Callback):
     """Pairs with `CheckpointlessStrategy`.
 
     Before every step it snapshots what a replacement needs (RNG, scheduler, data position; no copy of big
-    tensors), writes the persistent checkpoint when due, hashes the batch this rank trains on, and fires the
-    fault plan's faults (each once per job, even across replacements). At the end, rank 0 writes
-    `run_dir/worker_summary.json`; `on_train_end` runs a collective over each optimizer instance.
+    tensors), writes the persistent checkpoint when due, hashes the batch this rank trains on (every tensor of
+    it), and fires the fault plan's faults (each once per job, even across replacements). At the end, rank 0
+    writes `run_dir/worker_summary.json` (what `checkpointless-run` puts in `summary.json`); `on_train_end` runs
+    a collective over each optimizer instance.
+
+    Args:
+        run_dir: where the summary goes. Default: the launcher's run directory.
+        fault_plan: faults to inject (tests, benchmarks). Default: the launcher's (`checkpointless-run
+            --fault kind:rank:step`), else none.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], fault_plan: list[FaultSpec] | None = None) -> None:
-        self.run_dir = Path(run_dir)
+    def __init__(self, run_dir: str | os.PathLike[str] | None = None,
+                 fault_plan: list[FaultSpec] | None = None) -> None:
+        self.run_dir = Path(run_dir if run_dir is not None else os.environ.get(RUN_DIR_ENV, "."))
+        if fault_plan is None and os.environ.get(FAULT_PLAN_ENV):
+            fault_plan = [FaultSpec(**spec) for spec in json.loads(os.environ[FAULT_PLAN_ENV])]
         self.fault_plan = list(fault_plan or [])
         self._t_start = 0.0
         self._start_step = 0
@@ -62,11 +70,10 @@ class CheckpointlessCallback(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         strategy = self._strategy(trainer)
-        strategy.at_step_boundary()
-        mark_process_training(strategy.membership.store)
-        self._maybe_fail(strategy, trainer.global_step + 1)
-        tokens = batch if isinstance(batch, torch.Tensor) else batch[0]
-        strategy.record_batch_hash(batch_hash(tokens))
+        if strategy.at_step_boundary():
+            mark_process_training(strategy.membership.store)
+            self._maybe_fail(strategy, trainer.global_step + 1)
+        strategy.record_batch_hash(batch_hash(batch))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

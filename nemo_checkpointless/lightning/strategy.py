@@ -1,16 +1,35 @@
 """`CheckpointlessStrategy`: Lightning's hooks mapped onto the engine's groups, sharded optimizer and recovery.
 
-The strategy does not launch processes (the launcher does) and does not use `torch.distributed`'s default group:
-its groups come from the launcher's store (see `restart.groups`). The user's optimizer, as returned by
-`configure_optimizers`, is wrapped in a `ShardedOptimizer` with `num_instances` replicated instances. When a
-collective of the step fails, the strategy runs the recovery protocol in place (`restart.recovery`) and retries
-the step: a healthy rank never leaves `fit`, keeps its process, its memory and the gradients it already computed.
+A user adds it to their own `Trainer` (`Trainer(devices=K, strategy=CheckpointlessStrategy(num_instances=2),
+callbacks=[CheckpointlessCallback()])`) and starts the script with `checkpointless-run --nproc-per-node K`. The
+strategy does not launch processes (the launcher does) and does not use `torch.distributed`'s default group: its
+groups come from the launcher's store (see `restart.groups`). Everything it needs comes from the launcher's
+environment (`protocol`); a hot spare runs the script up to `trainer.fit` and waits there for the rank it
+replaces. The user's optimizer, as returned by `configure_optimizers`, is wrapped in a `ShardedOptimizer` with
+`num_instances` replicated instances.
+
+When a collective of the step fails, the strategy runs the recovery protocol in place (`restart.recovery`) and
+retries the step: a healthy rank never leaves `fit`, keeps its process, its memory and, if the step made no
+collective of its own before its gradient all-reduce, the gradients it already computed. A step that did (e.g.
+`self.log(..., sync_dist=True)` or `self.all_gather` in `training_step`) is replayed from its boundary on every
+survivor (RNG restored, the step's micro-batches run again), in step with the replacement that runs it for the
+first time. A fallback to the persistent checkpoint leaves the fit loop and enters it again in the same process
+(the strategy's launcher), at the checkpoint's step.
+
+The data position: the train loader's sampler (Lightning's `DistributedSampler`, or the user's own) is wrapped
+so that a (re)entered `fit` starts at the recovered step's sample, and Lightning's loop counters (epoch, batch in
+the epoch, optimizer steps) are set to the same place; nothing iterates the loader to get there.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
-from collections.abc import Callable
+import logging
+import math
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,15 +37,22 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from typing_extensions import override
 
+from nemo_checkpointless import protocol
+from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.replication import ShardedOptimizer
 from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart import Membership, PeerFailure, WorkerEnv
-from nemo_checkpointless.restart.recovery import Decision, RecoveryEngine, RecoveryStamps
+from nemo_checkpointless.restart.groups import connect_store
+from nemo_checkpointless.restart.recovery import Decision, RecoveryEngine, RecoveryStamps, RestartFromCheckpoint
 from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
 from nemo_checkpointless.state.rng import capture_rng, restore_rng
 from nemo_checkpointless.topology import ParallelDims, rank_info
+
+log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 
@@ -64,26 +90,127 @@ class Session:
     def __post_init__(self) -> None:
         self.stamps = RecoveryStamps(self.membership.store, self.env.rank)
 
+    @classmethod
+    def create(cls, env: WorkerEnv, store: Any, dims: ParallelDims, collective_timeout_s: float,
+               checkpoint_every: int, checkpoint_dir: str | None, verify_checksum: bool = True) -> Session:
+        membership = Membership(store, env.rank, env.world_size, env.store_host, collective_timeout_s)
+        ckpt_dir = checkpoint_dir or os.path.join(env.run_dir, "checkpoints")
+        checkpoints = CheckpointStore(ckpt_dir, dims.shard_size) if checkpoint_every else None
+        engine = RecoveryEngine(membership, dims, checkpoints, verify_checksum=verify_checksum)
+        return cls(env, membership, dims, engine, checkpoints, checkpoint_every)
+
+
+def _env_number(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(name, raw, "must be a number", f"unset {name} or set it to a number") from None
+
+
+def _set_rank_zero(rank: int) -> None:
+    """Lightning's `rank_zero_only` reads `RANK` when it is imported; a spare learns its rank later."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    rank_zero_only.rank = rank  # type: ignore[attr-defined]
+
+
+def _set_counters(tracker: Any, value: int) -> None:
+    """A Lightning progress tracker at `value` (every stage of it: ready, started, processed, completed)."""
+    for stage in ("ready", "started", "processed", "completed"):
+        if hasattr(tracker, stage):
+            setattr(tracker, stage, value)
+
+
+class _InProcessLauncher(_Launcher):
+    """`trainer.fit` in this process. A hot spare waits here for the rank it replaces; a fallback to the persistent
+    checkpoint (`RestartFromCheckpoint`) leaves the fit loop and enters it again here, in the same process."""
+
+    def __init__(self, strategy: CheckpointlessStrategy) -> None:
+        self.strategy = strategy
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def kill(self, signum: Any) -> None:
+        """Nothing to signal: the ranks are the launcher's processes, not this one's children."""
+
+    @override
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None,
+               **kwargs: Any) -> Any:
+        strategy = self.strategy
+        strategy.ensure_session()
+        while True:
+            try:
+                return function(*args, **kwargs)
+            except RestartFromCheckpoint as restart:
+                print(f"[rank {strategy.session.env.rank}] {restart}", flush=True)
+                strategy.join = JoinSpec("checkpoint", restart.generation, restart.decision.step)
+                assert trainer is not None
+                trainer._teardown()
+                # The next fit processes the user's train loader again (a fresh iterator at the new position).
+                trainer.fit_loop._combined_loader = None
+
+
+class _ResumingSampler(Sampler[int]):
+    """The train loader's sampler, started `skip()` samples into its epoch on the first iteration after a (re)entry
+    into `fit`; epochs, shuffling and sharding are the wrapped sampler's (Lightning calls its `set_epoch`)."""
+
+    def __init__(self, inner: Any, skip: Callable[[], int]) -> None:
+        self.inner = inner
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.inner), self.skip(), None)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        if callable(getattr(self.inner, "set_epoch", None)):
+            self.inner.set_epoch(epoch)
+
 
 class CheckpointlessStrategy(ParallelStrategy):
     """Data-parallel training with an N-instance sharded optimizer over groups hosted by the launcher.
 
+    Every argument is optional; what is not given comes from the launcher's environment (`checkpointless-run`).
+
     Args:
-        session: this rank's `Session` (groups, recovery engine, checkpoint store), built by the worker.
-        num_instances: replicated copies of the optimizer state (`replication.num_instances`); must divide DP.
-        grad_clip: clip gradients to this global norm (0: off); done on the averaged gradient, no extra collective.
-        join: how this rank enters `fit` (see `JoinSpec`).
+        num_instances: replicated copies of the optimizer state (Megatron's `num_distributed_optimizer_instances`);
+            must divide the data-parallel size. Default: `checkpointless-run --num-instances`, else 2 when the
+            data-parallel size is even (a rank can then be restored from a peer), else 1 (checkpoint only).
+        grad_clip: clip gradients to this global norm (0: off), on the averaged gradient, as DDP does. Default:
+            the Trainer's `gradient_clip_val` (algorithm "norm").
+        checkpoint_every_n_steps: write the persistent fallback checkpoint every n steps (0: never). Default:
+            `checkpointless-run --checkpoint-every`, else 0.
+        checkpoint_dir: where that checkpoint goes. Default: `RUN_DIR/checkpoints`.
+        collective_timeout_s: a collective that makes no progress for this long is a hang. Default:
+            `checkpointless-run --collective-timeout`, else 30.
+        session, join: set by the package's own worker (which builds its groups itself); users leave them out.
     """
 
     strategy_name = "checkpointless"
 
-    def __init__(self, session: Session, num_instances: int = 1, grad_clip: float = 0.0,
+    def __init__(self, num_instances: int | None = None, grad_clip: float | None = None, *,
+                 checkpoint_every_n_steps: int | None = None, checkpoint_dir: str | None = None,
+                 collective_timeout_s: float | None = None, session: Session | None = None,
                  join: JoinSpec | None = None) -> None:
-        super().__init__(parallel_devices=[torch.device("cpu")], cluster_environment=LightningEnvironment())
-        self.session = session
-        self.num_instances = num_instances
-        self.grad_clip = grad_clip
+        super().__init__(cluster_environment=LightningEnvironment())
+        self._session = session
+        self._num_instances_arg = num_instances
+        self.num_instances = num_instances or 1
+        self._grad_clip_arg = grad_clip
+        self.grad_clip = grad_clip or 0.0
+        self._checkpoint_every_arg = checkpoint_every_n_steps
+        self._checkpoint_dir_arg = checkpoint_dir
+        self._collective_timeout_arg = collective_timeout_s
         self.join = join or JoinSpec()
+        self._num_nodes = 1
         self.sharded: ShardedOptimizer | None = None
         self.data_digest = DataDigest()
         self._pending_batch_hash: bytes | None = None
@@ -91,20 +218,133 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._rng_to_restore: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         self.decisions: list[Decision] = []
         self._in_step = False
+        self._step_calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []  # the step's micro-batches so far
+        self._step_collectives = 0  # collectives of the user's code in the step in flight
+        self._replaying = False
+        self._skip_samples = 0
+        self._loops_resumed = False
+        env = os.environ
+        if protocol.SPARE_ID_ENV in env and session is None:
+            _set_rank_zero(-1)  # a spare says nothing as "rank 0" before it has a rank
+        elif "RANK" in env:
+            self.cluster_environment.set_global_rank(int(env["RANK"]))  # type: ignore[union-attr]
+            if "WORLD_SIZE" in env:
+                self.cluster_environment.set_world_size(int(env["WORLD_SIZE"]))  # type: ignore[union-attr]
+
+    @property
+    def session(self) -> Session:
+        assert self._session is not None, "the session is built when fit starts"
+        return self._session
 
     @property
     def membership(self) -> Membership:
         return self.session.membership
 
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def is_distributed(self) -> bool:
+        """For Lightning: shard the train loader over the data-parallel ranks (`use_distributed_sampler`)."""
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        info = rank_info(self.session.dims, self.session.env.rank)
+        return {"num_replicas": self.session.dims.dp, "rank": info.dp_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The package's own worker passes its session and runs its own loop around `fit`.
+        self._launcher = _InProcessLauncher(self) if self._session is None else None
+
     # ------------------------------------------------------------------------------------------ environment
+    def ensure_session(self) -> None:
+        """Build this rank's session from the launcher's environment (once per process). A hot spare says it is
+        ready and waits here for the rank it replaces."""
+        if self._session is not None:
+            return
+        environ = os.environ
+        if protocol.STORE_PORT_ENV not in environ:
+            raise RuntimeError(
+                "CheckpointlessStrategy: this process was not started by checkpointless-run (no "
+                f"{protocol.STORE_PORT_ENV} in its environment). Start the script with: checkpointless-run "
+                "--nproc-per-node K [--spares S] script.py ARGS (it hosts the job's store and replaces failed ranks)")
+        host, port = environ[protocol.STORE_HOST_ENV], int(environ[protocol.STORE_PORT_ENV])
+        run_dir = environ.get(protocol.RUN_DIR_ENV, os.getcwd())
+        world = int(environ["WORLD_SIZE"])
+        store = connect_store(host, port, _env_number(protocol.START_TIMEOUT_ENV, 120.0))
+        join = self.join
+        if protocol.SPARE_ID_ENV in environ:
+            spare_id = int(environ[protocol.SPARE_ID_ENV])
+            store.set(protocol.spare_ready_key(spare_id), "1")
+            assignment = protocol.wait_for_assignment(store, spare_id)
+            rank = int(assignment["rank"])
+            local_world = int(environ.get("LOCAL_WORLD_SIZE", world))
+            environ.update(RANK=str(rank), LOCAL_RANK=str(rank % local_world), ROLE_RANK=str(rank))
+            _set_rank_zero(rank)
+            join = JoinSpec("replacement", int(assignment["generation"]))
+        else:
+            rank = int(environ["RANK"])
+            if protocol.JOIN_GENERATION_ENV in environ:
+                join = JoinSpec("replacement", int(environ[protocol.JOIN_GENERATION_ENV]))
+        store.set(protocol.checkpointless_key(os.getpid()), "1")
+        env = WorkerEnv(rank, world, int(environ.get("LOCAL_RANK", rank)), host, port, run_dir)
+        n = self._num_instances_arg or int(_env_number(protocol.NUM_INSTANCES_ENV, 0)) or (2 if world % 2 == 0 else 1)
+        if world % n:
+            raise ConfigError("CheckpointlessStrategy(num_instances=...)", n,
+                              f"must divide the data-parallel size {world}",
+                              f"use a divisor of {world} (2 keeps one replica of every optimizer shard)")
+        self.num_instances = n
+        every = self._checkpoint_every_arg
+        if every is None:
+            every = int(_env_number(protocol.CHECKPOINT_EVERY_ENV, 0))
+        timeout = self._collective_timeout_arg or _env_number(protocol.COLLECTIVE_TIMEOUT_ENV, 30.0)
+        ckpt_dir = self._checkpoint_dir_arg or environ.get(protocol.CHECKPOINT_DIR_ENV)
+        self._session = Session.create(env, store, ParallelDims(world_size=world, num_instances=n), timeout,
+                                       every, ckpt_dir)
+        if join.kind == "replacement":
+            # Anything this rank does before the join belongs to the generation it joins, not to generation 0.
+            self._session.membership.generation = join.generation - 1
+        elif protocol.RESTART_GENERATION_ENV in environ:
+            # A whole-job restart (launcher.on_failure=restart_all): every rank reloads the newest checkpoint.
+            generation = int(environ[protocol.RESTART_GENERATION_ENV])
+            checkpoints = self._session.checkpoints
+            step = checkpoints.latest(1 << 62) if checkpoints is not None else 0
+            self._session.membership.generation = generation
+            join = JoinSpec("checkpoint", generation, step)
+        self.join = join
+
     @override
     def setup_environment(self) -> None:
+        self.ensure_session()
         env = self.session.env
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            self._check_world(trainer)
         assert isinstance(self.cluster_environment, LightningEnvironment)
         self.cluster_environment.set_world_size(env.world_size)
         self.cluster_environment.set_global_rank(env.rank)
         self.info = rank_info(self.session.dims, env.rank)
         super().setup_environment()
+
+    def _check_world(self, trainer: pl.Trainer) -> None:
+        """`Trainer(devices=K, num_nodes=M)` as a DDP user writes it must describe the launcher's world."""
+        flag = trainer._accelerator_connector._devices_flag
+        if flag == "auto" or self._session is None or self.session.env.world_size == 1:
+            return
+        devices = len(self.parallel_devices or [None])
+        world = self.session.env.world_size
+        if devices * self.num_nodes != world:
+            raise ConfigError("Trainer(devices=..., num_nodes=...)", f"devices={flag}, num_nodes={self.num_nodes}",
+                              f"describes {devices * self.num_nodes} processes; the launcher started {world}",
+                              f"use Trainer(devices={world // self.num_nodes}, num_nodes={self.num_nodes}) or "
+                              f"checkpointless-run --nproc-per-node {devices * self.num_nodes}")
 
     @property
     @override
@@ -119,11 +359,29 @@ class CheckpointlessStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------------------- optimizer
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.accelerator is not None and trainer.accelerator.__class__.__name__ != "CPUAccelerator":
+            raise ConfigError("Trainer(accelerator=...)", trainer.accelerator.__class__.__name__,
+                              "CheckpointlessStrategy trains on CPU processes over gloo in this release",
+                              'use Trainer(accelerator="cpu")')
+        if trainer.gradient_clip_val:
+            if trainer.gradient_clip_algorithm not in (None, "norm"):
+                raise ConfigError("Trainer(gradient_clip_algorithm=...)", trainer.gradient_clip_algorithm,
+                                  "CheckpointlessStrategy clips the averaged gradient by its global norm",
+                                  'use gradient_clip_algorithm="norm"')
+            if self._grad_clip_arg is None:
+                self.grad_clip = float(trainer.gradient_clip_val)
+            # Clipped once, after the gradient all-reduce (as DDP clips the averaged gradient), not per rank here.
+            trainer.gradient_clip_val = None
         super().setup(trainer)
         if len(self.optimizers) != 1:
-            raise ValueError(f"CheckpointlessStrategy supports one optimizer; configure_optimizers returned "
-                             f"{len(self.optimizers)}")
+            raise ConfigError("configure_optimizers()", f"{len(self.optimizers)} optimizers",
+                              "CheckpointlessStrategy shards and replicates one optimizer",
+                              "return one optimizer (param groups may differ in lr, weight decay, ...)")
         assert self.lightning_module is not None
+        if not self.lightning_module.automatic_optimization:
+            raise ConfigError("LightningModule.automatic_optimization", False,
+                              "CheckpointlessStrategy steps the optimizer itself (it shards and replicates it)",
+                              "use automatic optimization")
         membership, info = self.membership, self.info
         self.sharded = ShardedOptimizer(
             self.lightning_module, self.optimizers[0], dp_size=self.session.dims.dp,
@@ -143,20 +401,88 @@ class CheckpointlessStrategy(ParallelStrategy):
             step = 0
         self.sharded.completed_steps = step
         self.session.position.step = step
+        self._in_step = False
+        self._step_calls = []
+        self._loops_resumed = False
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The train loader starts at the session's data position: its sampler skips the samples of the steps
+        already trained in the current epoch, and Lightning's counters are set to the same place."""
+        from nemo_checkpointless.data.sampling import RankBatchSampler
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if (trainer is None or not trainer.training or not isinstance(dataloader, DataLoader)
+                or isinstance(dataloader.batch_sampler, RankBatchSampler)):
+            return dataloader  # not the train loader, or one that starts at the data position itself
+        if isinstance(dataloader.dataset, IterableDataset):
+            raise ConfigError("train_dataloader", type(dataloader.dataset).__name__,
+                              "is an IterableDataset: a recovered rank must start at an exact sample without "
+                              "reading the samples before it, which needs indexed access",
+                              "use a map-style Dataset (__getitem__ + __len__) with a DataLoader")
+        batch_sampler = dataloader.batch_sampler
+        if not isinstance(batch_sampler, BatchSampler):
+            raise ConfigError("DataLoader(batch_sampler=...)", type(batch_sampler).__name__,
+                              "the data position is restored through a torch BatchSampler's sampler",
+                              "pass batch_size= and a sampler (or shuffle=) to the DataLoader instead")
+        if not isinstance(batch_sampler.sampler, _ResumingSampler):
+            batch_sampler.sampler = _ResumingSampler(batch_sampler.sampler, self._take_skip)
+        self._resume_loops(trainer, len(dataloader), batch_sampler.batch_size)
+        self._loops_resumed = True
+        return dataloader
+
+    def _take_skip(self) -> int:
+        skip, self._skip_samples = self._skip_samples, 0
+        return skip
+
+    def _resume_loops(self, trainer: pl.Trainer, batches: int, batch_size: int) -> None:
+        """Lightning's loop counters at step `s` of the session (optimizer steps; the epoch and the batch in it)."""
+        step = self.session.position.step
+        if not step:
+            return
+        limit = trainer.limit_train_batches
+        if isinstance(limit, int):
+            batches = min(batches, limit)
+        elif limit is not None and limit != 1.0:
+            batches = int(batches * limit)
+        accumulate = trainer.accumulate_grad_batches
+        steps_per_epoch = math.ceil(batches / accumulate)
+        epoch, batch = step // steps_per_epoch, (step % steps_per_epoch) * accumulate
+        self._skip_samples = batch * batch_size
+        fit_loop = trainer.fit_loop
+        _set_counters(fit_loop.epoch_progress.total, epoch)
+        _set_counters(fit_loop.epoch_progress.current, epoch)
+        epoch_loop = fit_loop.epoch_loop
+        optimizer = epoch_loop.automatic_optimization.optim_progress.optimizer
+        _set_counters(optimizer.step.total, step)
+        _set_counters(optimizer.zero_grad.total, step)
+        epoch_loop._batches_that_stepped = step
+        reset = epoch_loop.reset
+
+        def reset_then_resume() -> None:
+            # After the epoch loop's own reset (which zeroes the counters of the epoch), once.
+            reset()
+            del epoch_loop.reset
+            _set_counters(epoch_loop.batch_progress.current, batch)
+            _set_counters(epoch_loop.batch_progress.total, epoch * batches + batch)
+
+        epoch_loop.reset = reset_then_resume  # type: ignore[method-assign]
 
     @override
     def on_train_start(self) -> None:
         step = self.session.position.step
-        if step:
-            # Resume Lightning's own counters at the step boundary the state belongs to.
+        if step and not self._loops_resumed:
+            # A loader that starts at the data position itself (the package's own): Lightning's step counters.
             assert self.lightning_module is not None
             loop = self.lightning_module.trainer.fit_loop.epoch_loop
-            loop.automatic_optimization.optim_progress.optimizer.step.total.ready = step
-            loop.automatic_optimization.optim_progress.optimizer.step.total.completed = step
+            _set_counters(loop.automatic_optimization.optim_progress.optimizer.step.total, step)
             loop._batches_that_stepped = step
 
-    def at_step_boundary(self) -> None:
-        """Called before each training step: snapshot what a replacement needs (small: RNG, scheduler, data)."""
+    def at_step_boundary(self) -> bool:
+        """Called before each micro-batch: before the first one of an optimizer step, snapshot what a replacement
+        needs (small: RNG, scheduler, data) and write the persistent checkpoint when due. True there."""
+        if self._in_step:
+            return False
         if self._rng_to_restore is not None:
             restore_rng(*self._rng_to_restore)
             self._rng_to_restore = None
@@ -170,11 +496,62 @@ class CheckpointlessStrategy(ParallelStrategy):
             tensors_out, meta_out = self.boundary_state()
             self.session.checkpoints.save_shard(step, self.info.shard_index, tensors_out, meta_out,
                                                 shared_prefix="param.")
+        return True
 
     def record_batch_hash(self, digest: bytes) -> None:
-        """The hash of the micro-batch this rank trains on in the current step (sent with the gradients)."""
+        """The hash of a micro-batch this rank trains on in the current step (sent with the gradients); several
+        micro-batches of one step (gradient accumulation) are chained."""
+        if self._in_step and self._pending_batch_hash is not None:
+            digest = hashlib.sha256(self._pending_batch_hash + digest).digest()
         self._pending_batch_hash = digest
+        if not self._in_step:
+            self._step_calls = []
+            self._step_collectives = 0
         self._in_step = True
+
+    # ------------------------------------------------------------------------------------- a step, recovered
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._replaying:  # the last micro-batch of a replayed step: a failure goes to `optimizer_step`
+            return super().training_step(*args, **kwargs)
+        self._step_calls.append((args, kwargs))
+        replay = False
+        while True:
+            try:
+                if replay:
+                    # Every rank redoes this step from its boundary, in step with the replacement: the micro-
+                    # batches before this one again (their forward, collectives and backward), then this one.
+                    self._replay(len(self._step_calls) - 1)
+                    replay = False
+                return super().training_step(*args, **kwargs)
+            except PeerFailure as failure:
+                self._recover(failure)
+                replay = True
+
+    def _recover(self, failure: PeerFailure) -> None:
+        """Raises RestartFromCheckpoint when peers cannot help."""
+        self.decisions.append(self.session.engine.recover(self, failure))
+        self.session.stamps.track(self.membership.generation)
+
+    def _replay(self, micro_batches: int) -> None:
+        """Back to the step's boundary: RNG as it was, no gradients; then the step's first `micro_batches` again."""
+        assert self._boundary is not None and self.lightning_module is not None
+        restore_rng(*self._boundary)
+        self.lightning_module.zero_grad(set_to_none=True)
+        trainer = self.lightning_module.trainer
+        self._step_collectives = 0
+        self._replaying = True
+        try:
+            for args, kwargs in self._step_calls[:micro_batches]:
+                out = super().training_step(*args, **kwargs)
+                loss = out.get("loss") if isinstance(out, dict) else out
+                if not isinstance(loss, torch.Tensor):
+                    continue
+                if trainer.accumulate_grad_batches > 1:
+                    loss = loss / trainer.accumulate_grad_batches
+                self.backward(loss, None)
+        finally:
+            self._replaying = False
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -183,15 +560,26 @@ class CheckpointlessStrategy(ParallelStrategy):
         # Forward + backward (and Lightning's on_before_optimizer_step hooks) through the precision plugin.
         result = self.precision_plugin._wrap_closure(model, optimizer, closure)
         side = encode_hash(self._pending_batch_hash, self.global_rank, self.world_size)
+        replay = False
         while True:
             try:
+                if replay:
+                    # The step made collectives of its own before its gradient all-reduce: everyone redoes it
+                    # from its boundary (the replacement makes the same collectives for the first time).
+                    self._replay(len(self._step_calls) - 1)
+                    self._replaying = True
+                    try:
+                        result = self.precision_plugin._wrap_closure(model, optimizer, closure)
+                    finally:
+                        self._replaying = False
+                    replay = False
                 summed = self.sharded.step(side)
                 break
             except PeerFailure as failure:
-                # Raises RestartFromCheckpoint when peers cannot help; otherwise retry this step's collectives
-                # with the gradients this rank already holds.
-                self.decisions.append(self.session.engine.recover(self, failure))
-                self.session.stamps.track(self.membership.generation)
+                # Raises RestartFromCheckpoint when peers cannot help. Without collectives of its own, the step
+                # is retried from its gradient all-reduce with the gradients this rank already holds.
+                replay = replay or self._step_collectives > 0
+                self._recover(failure)
         assert summed is not None
         self.data_digest.update(decode_hashes(summed))
         self._pending_batch_hash = None
@@ -264,6 +652,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         replacement joining mid-run sets up alone while the healthy ranks are inside a step."""
         if not isinstance(tensor, torch.Tensor) or not self._in_step:
             return tensor
+        self._step_collectives += 1
         out = tensor.detach().clone().float()
         self.membership.world().all_reduce(out)
         if reduce_op in ("mean", "avg") or str(reduce_op).lower().endswith("avg"):
@@ -285,10 +674,11 @@ class CheckpointlessStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Tensors are broadcast from `src` (a collective: call it inside a step, on every rank). Other objects
-        (Lightning broadcasts log and checkpoint paths while it sets up) are returned as they are: every rank
-        derives them from the same config, and a joining replacement could not match the collective."""
+        """Tensors are broadcast from `src` (a collective on every rank; recovered inside a training step). Other
+        objects (Lightning broadcasts log and checkpoint paths while it sets up) are returned unchanged, not sent:
+        every rank derives them from the same config, and a joining replacement could not match the collective."""
         if isinstance(obj, torch.Tensor):
+            self._step_collectives += self._in_step
             out = obj.detach().clone()
             self.membership.world().broadcast(out, src)
             return out
@@ -296,6 +686,8 @@ class CheckpointlessStrategy(ParallelStrategy):
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        """Every rank's `tensor`, stacked (a collective; recovered inside a training step, like `reduce`)."""
+        self._step_collectives += self._in_step
         outs = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self.membership.world().all_gather(outs, tensor.detach().contiguous())
         return torch.stack(outs)
@@ -304,6 +696,16 @@ class CheckpointlessStrategy(ParallelStrategy):
     def teardown(self) -> None:
         # The groups belong to the session (they outlive this fit); nothing of ours to destroy here.
         super().teardown()
+
+    def rank_state_digests(self) -> dict[str, str]:
+        """This rank's own view, no collective: sha256 of its full parameters and of its optimizer shard (state
+        and parameter slice). Two runs agree on a rank exactly when that rank's state is bitwise equal."""
+        from nemo_checkpointless.state.hashing import state_digest
+
+        assert self.sharded is not None
+        params = {f"group{i}": g.flat for i, g in enumerate(self.sharded.groups)}
+        return {"params_sha256": state_digest(params, {}),
+                "shard_sha256": state_digest({}, {"shard": self.sharded.shard_state()})}
 
     def full_state_digest(self) -> str:
         """Hash of all params and optimizer state (collective over each instance; every rank gets its instance's)."""

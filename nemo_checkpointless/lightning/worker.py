@@ -24,10 +24,10 @@ from nemo_checkpointless.data.indexed import IndexedTokens
 from nemo_checkpointless.data.job import job_loader
 from nemo_checkpointless.data.loader import LedgeredLoader, MmapBatchLoader
 from nemo_checkpointless.data.sampling import GlobalBatchPlan, RankBatchSampler, TokenSequences
-from nemo_checkpointless.launcher.local import spare_ready_key, wait_for_assignment
 from nemo_checkpointless.lightning.callback import CheckpointlessCallback
 from nemo_checkpointless.lightning.module import LlamaLightningModule
 from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy, JoinSpec, Session
+from nemo_checkpointless.protocol import spare_ready_key, wait_for_assignment
 from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart import Membership, WorkerEnv
 from nemo_checkpointless.restart.groups import connect_store
@@ -122,8 +122,8 @@ def build_trainer(cfg: Config, session: Session, tokens: object, join: JoinSpec
     plan = GlobalBatchPlan(len(dataset), cfg.data.micro_batch_size, session.dims.dp, cfg.seed, cfg.data.shuffle)
     loader = _build_loader(cfg, session, dataset, plan, dp_rank)
     module = LlamaLightningModule(cfg.model.llama_config(), cfg.optim, cfg.trainer.max_steps)
-    strategy = CheckpointlessStrategy(session, num_instances=cfg.replication.num_instances,
-                                      grad_clip=cfg.optim.grad_clip, join=join)
+    strategy = CheckpointlessStrategy(num_instances=cfg.replication.num_instances, grad_clip=cfg.optim.grad_clip,
+                                      session=session, join=join)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=cfg.trainer.max_steps,
         callbacks=[*_data_callbacks(loader, env.rank), CheckpointlessCallback(env.run_dir, cfg.fault.plan)],

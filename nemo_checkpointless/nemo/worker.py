@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_checkpointless.config import Config, load_run_config
-from nemo_checkpointless.launcher.local import (
+from nemo_checkpointless.protocol import (
     TRAIN_START_KEY,
     mark_process_training,
     spare_ready_key,

@@ -11,11 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from nemo_checkpointless.protocol import ENV_PREFIX, LAUNCHER_PID_ENV, SPARE_ID_ENV
 from nemo_checkpointless.restart.groups import Membership, connect_store
 
-ENV_PREFIX = "NCL_"
-SPARE_ID_ENV = f"{ENV_PREFIX}SPARE_ID"  # set for a hot spare instead of RANK
-LAUNCHER_PID_ENV = f"{ENV_PREFIX}LAUNCHER_PID"  # a spare exits when its launcher is gone
+__all__ = ["ENV_PREFIX", "LAUNCHER_PID_ENV", "SPARE_ID_ENV", "WorkerEnv", "preload", "run_worker"]
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,28 @@ def state_digest(params: dict[str, torch.Tensor], optimizer_state: dict[str, dic
     return h.hexdigest()
 
 
-def batch_hash(tokens: torch.Tensor) -> bytes:
-    """32-byte digest of one rank's micro-batch (token ids as int64, row-major)."""
-    return hashlib.sha256(tokens.detach().to(torch.int64).contiguous().cpu().numpy().tobytes()).digest()
+def batch_hash(batch: object) -> bytes:
+    """32-byte digest of one rank's micro-batch. A tensor of token ids: its values as int64, row-major (the same
+    digest on every engine). Anything else (a float tensor; a tuple, list or dict of tensors, nested): every
+    tensor's name in the structure, dtype, shape and bytes; other leaves by their repr."""
+    if isinstance(batch, torch.Tensor) and not (batch.is_floating_point() or batch.is_complex()):
+        return hashlib.sha256(batch.detach().to(torch.int64).contiguous().cpu().numpy().tobytes()).digest()
+    h = hashlib.sha256()
+
+    def walk(path: str, value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            _update(h, path, value)
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                walk(f"{path}.{key}", value[key])
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(f"{path}[{i}]", item)
+        else:
+            h.update(f"{path}={value!r}|".encode())
+
+    walk("batch", batch)
+    return h.digest()
 
 
 def encode_hash(digest: bytes, slot: int, slots: int) -> torch.Tensor:

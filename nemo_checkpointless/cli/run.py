@@ -1,0 +1,192 @@
+"""`checkpointless-run`: torchrun's command line for a user's own training script, with in-process recovery.
+
+    checkpointless-run [--nproc-per-node K] [--nnodes 1] [--spares S] [--max-restarts M] [--run-dir D]
+                       [--num-instances N] [--checkpoint-every K] [--collective-timeout T]
+                       script.py ARGS...      (or -m module ARGS..., or --no-python program ARGS...)
+
+It hosts the job's store (never on a training rank), starts K ranks with the variables torchrun sets (`RANK`,
+`LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_RUN_ID`,
+...) plus the package's own (`protocol`), keeps S hot spares (each runs the script up to `trainer.fit` and waits
+there), replaces failed ranks, and exits with the training's exit code. A script on `CheckpointlessStrategy`
+recovers in process: only the failed rank is replaced, from a live replica. Any other script (e.g. plain DDP with
+`init_process_group`) gets tier 1: the launcher's store (`TORCHELASTIC_USE_AGENT_STORE`: rank 0 hosts nothing)
+and, on a failure, every rank restarted at once with the store kept (the script resumes from its own checkpoint).
+
+The arguments are `torch.distributed.run`'s own parser, extended; its flags for what this launcher does not do
+(several nodes, rendezvous backends, numa binding, ...) are refused with one message each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from nemo_checkpointless.errors import ConfigError
+
+PROG = "checkpointless-run"
+# torchrun flags whose non-default values this launcher does not implement (dest -> default).
+_REFUSED = {"rdzv_conf": "", "event_log_handler": "null", "run_path": False, "local_ranks_filter": "",
+            "numa_binding": None, "logs_specs": None, "virtual_local_rank": False, "local_addr": None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = PROG
+    parser.description = ("torchrun-compatible launcher with checkpointless recovery: hosts the job's store, "
+                          "starts the ranks and hot spares, replaces failed ranks.")
+    ours = parser.add_argument_group("checkpointless")
+    ours.add_argument("--spares", type=int, default=0, help="hot spares kept warm (each runs the script up to fit)")
+    ours.add_argument("--run-dir", "--run_dir", default=None,
+                      help="logs, summary.json and the fallback checkpoint (default: runs/<script name>)")
+    ours.add_argument("--num-instances", "--num_instances", type=int, default=None,
+                      help="replicated optimizer instances for CheckpointlessStrategy (default: 2 if it divides "
+                           "the data-parallel size, else 1)")
+    ours.add_argument("--checkpoint-every", "--checkpoint_every", type=int, default=0,
+                      help="persistent fallback checkpoint every N steps (0: none; the fallback is step 0)")
+    ours.add_argument("--collective-timeout", "--collective_timeout", type=float, default=30.0,
+                      help="seconds a collective may make no progress before it counts as a hang")
+    ours.add_argument("--on-failure", "--on_failure", choices=("recover", "restart_all"), default="recover",
+                      help="restart_all: restart every rank on a failure (the baseline a job restart gives)")
+    ours.add_argument("--fault", action="append", default=[], metavar="KIND:RANK:STEP",
+                      help="inject a fault (tests, benchmarks): kill, hang, exception or corrupt")
+    parser.set_defaults(max_restarts=3)
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _nproc(value: str) -> int:
+    if value in ("auto", "cpu"):
+        return os.cpu_count() or 1
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError("--nproc-per-node", value, "must be a positive integer (or auto, cpu)",
+                          "e.g. --nproc-per-node 4") from None
+    if n < 1:
+        raise ConfigError("--nproc-per-node", value, "must be >= 1", "e.g. --nproc-per-node 4")
+    return n
+
+
+def _fault_plan(specs: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for spec in specs:
+        parts = spec.split(":")
+        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+            raise ConfigError("--fault", spec, "must be KIND:RANK:STEP", "e.g. --fault kill:1:20")
+        out.append({"kind": parts[0], "rank": int(parts[1]), "step": int(parts[2])})
+    return out
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    script, rest = args.training_script, list(args.training_script_args)
+    if args.no_python:
+        if args.module:
+            raise ConfigError("--no-python", True, "cannot be combined with -m", "drop one of the two")
+        if shutil.which(script) is None and not os.path.exists(script):
+            raise ConfigError("training_script", script, "is not a program on PATH or a file", "check the name")
+        return [script, *rest]
+    if args.module:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(script) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ConfigError("-m", script, "is not an importable module here", "check the name and PYTHONPATH")
+        return [sys.executable, "-u", "-m", script, *rest]
+    if not os.path.isfile(script):
+        raise ConfigError("training_script", script, "is not a file", "give the path of the training script")
+    return [sys.executable, "-u", script, *rest]
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from nemo_checkpointless.config import Config
+
+    nnodes = str(args.nnodes)
+    if nnodes not in ("1", "1:1"):
+        raise ConfigError("--nnodes", nnodes, f"{PROG} starts the ranks of one machine in this release",
+                          "use --nnodes 1 (several nodes: one agent per node is the next step of the project)")
+    if int(args.node_rank) != 0:
+        raise ConfigError("--node-rank", args.node_rank, "must be 0 on one node", "drop --node-rank")
+    for dest, default in _REFUSED.items():
+        if getattr(args, dest, default) != default:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(flag, getattr(args, dest), f"is a torchrun option {PROG} does not implement",
+                              f"drop {flag}")
+    if args.spares < 0:
+        raise ConfigError("--spares", args.spares, "must be >= 0", "use 0 for no hot spare, or 1, 2, ...")
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts", args.max_restarts, "must be >= 0", "e.g. --max-restarts 3")
+    if args.checkpoint_every < 0:
+        raise ConfigError("--checkpoint-every", args.checkpoint_every, "must be >= 0", "0 (none) or N steps")
+    if args.collective_timeout <= 0:
+        raise ConfigError("--collective-timeout", args.collective_timeout, "must be > 0", "e.g. 30")
+    world = _nproc(str(args.nproc_per_node))
+    instances = args.num_instances or (2 if world % 2 == 0 else 1)
+    if instances < 1 or world % instances:
+        raise ConfigError("--num-instances", instances, f"must divide the data-parallel size {world}",
+                          f"use a divisor of {world}")
+    plan = _fault_plan(args.fault)
+    cfg = Config()
+    script_name = Path(args.training_script).stem or "job"
+    run_dir = args.run_dir or f"runs/{script_name}"
+    from nemo_checkpointless.config import FaultSpec
+
+    return replace(
+        cfg, recipe_name=f"script:{script_name}", run=replace(cfg.run, dir=run_dir),
+        trainer=replace(cfg.trainer, devices=world, num_nodes=1, max_steps=1 << 30),
+        replication=replace(cfg.replication, num_instances=instances, spares=args.spares),
+        checkpoint=replace(cfg.checkpoint, every_n_steps=args.checkpoint_every),
+        fault=replace(cfg.fault, plan=[FaultSpec(**f) for f in plan]),
+        launcher=replace(cfg.launcher, host=args.master_addr, max_restarts=args.max_restarts,
+                         collective_timeout_s=args.collective_timeout, on_failure=args.on_failure))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)  # unknown flags: argparse's one line, exit 2
+    try:
+        cfg = _config(args)
+        command = _command(args)
+    except ConfigError as e:
+        return _fail(str(e))
+    from nemo_checkpointless.launcher import LaunchError, run_local
+
+    run_dir = Path(cfg.run.dir).absolute()
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(run_dir, 0o700)
+    if args.log_dir:
+        print(f"{PROG}: note: logs go to {run_dir / 'logs'} (--log-dir is not used)", file=sys.stderr)
+    for stale in ("summary.json", "worker_summary.json"):
+        (run_dir / stale).unlink(missing_ok=True)
+    try:
+        summary = run_local(cfg, run_dir, command=command, port=args.master_port)
+    except LaunchError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except ConfigError as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    brief = {k: summary.get(k) for k in ("final_step", "wall_s", "state_sha256")}
+    brief["recoveries"] = len(summary.get("recoveries", []))
+    print(f"{PROG}: done: {json.dumps(brief)}; summary in {run_dir / 'summary.json'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

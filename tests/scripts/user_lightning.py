@@ -1,0 +1,126 @@
+"""A user's own Lightning script, written as for `torchrun` + DDP, with the strategy swapped in.
+
+Its own LightningModule (dropout), its own data (TensorDataset + DataLoader(shuffle=True), or a
+LightningDataModule with dict batches), its own AdamW + LR schedule, `self.log(..., sync_dist=True)`.
+Run by the tests with `checkpointless-run --nproc-per-node 4 --spares 1 tests/scripts/user_lightning.py ...`.
+
+At the end every rank writes `RUN_DIR/user_rank<r>.json`: digests of its parameters and of its own optimizer
+state (its shard), which the tests compare with a fault-free run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from nemo_checkpointless.lightning import CheckpointlessCallback, CheckpointlessStrategy
+
+
+def make_data(n: int = 512, features: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, features, generator=g)
+    y = (x @ torch.randn(features, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(n, generator=g)
+    return x, y
+
+
+class DictDataset(Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"features": self.x[i], "target": self.y[i]}
+
+
+class RegressionData(pl.LightningDataModule):
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    def setup(self, stage: str) -> None:
+        self.train = DictDataset(*make_data())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True)
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self, features: int = 16, hidden: int = 64, step_sleep: float = 0.0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, hidden),
+                                 nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, 1))
+        self.step_sleep = step_sleep
+
+    def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+        if isinstance(batch, dict):
+            x, y = batch["features"], batch["target"]
+        else:
+            x, y = batch  # type: ignore[misc]
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+        loss = nn.functional.mse_loss(self.net(x).squeeze(1), y)
+        self.log("train_loss", loss, sync_dist=True, on_step=True)
+        return loss
+
+    def configure_optimizers(self) -> object:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Progress(pl.Callback):
+    """The step each rank is at, in RUN_DIR/progress_rank<r>.txt (the tests time their kills by it)."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        path = os.path.join(self.run_dir, f"progress_rank{trainer.global_rank}.txt")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(trainer.global_step))
+        os.replace(path + ".tmp", path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--max-epochs", type=int, default=-1)
+    parser.add_argument("--datamodule", action="store_true")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--devices", default="4")
+    args = parser.parse_args()
+    run_dir = os.environ.get("NCL_RUN_DIR", ".")
+
+    pl.seed_everything(1234, verbose=False)
+    model = Regressor(step_sleep=args.step_sleep)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=int(args.devices) if args.devices.isdigit() else args.devices,
+        strategy=CheckpointlessStrategy(), callbacks=[CheckpointlessCallback(), Progress(run_dir)],
+        max_steps=args.max_steps, max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0)
+    if args.datamodule:
+        trainer.fit(model, datamodule=RegressionData(args.batch_size))
+    else:
+        x, y = make_data()
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True))
+    digests = trainer.strategy.rank_state_digests()  # type: ignore[attr-defined]
+    digests.update(rank=trainer.global_rank, global_step=trainer.global_step, epoch=trainer.current_epoch,
+                   pid=os.getpid())
+    with open(os.path.join(run_dir, f"user_rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(digests, f)
+
+
+if __name__ == "__main__":
+    main()
