@@ -1,0 +1,241 @@
+"""A user's own Lightning script (`tests/scripts/user_lightning.py`) under `checkpointless-run`: real processes,
+real signals from outside, every rank's parameters and optimizer shard compared with the fault-free run.
+
+- DataLoader(shuffle=True) over a TensorDataset: a kill at a step boundary (fault plan), SIGKILL of a rank while
+  it starts up, SIGSEGV of a rank in the middle of training (wherever it is: forward, backward, a collective);
+- a LightningDataModule with dict batches and accumulate_grad_batches=2: a kill at a step boundary and SIGKILL of
+  rank 0 in the middle of training;
+- bad input: one clear message and a non-zero exit each, nothing left running;
+- the launcher killed: no rank or spare outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "user_lightning.py"
+TIMEOUT_S = 240
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return env
+
+
+def _launch(run_dir: Path, *args: str, script: Path = SCRIPT, script_args: tuple[str, ...] = ()
+            ) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "nemo_checkpointless.cli.run", "--nproc-per-node", "4", "--run-dir", str(run_dir),
+           "--collective-timeout", "8", *args, str(script), *script_args]
+    return subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _finish(proc: subprocess.Popen[bytes], run_dir: Path) -> dict[str, Any]:
+    out, _ = proc.communicate(timeout=TIMEOUT_S)
+    log = out.decode(errors="replace")
+    logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
+                     for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{log[-4000:]}\n{logs}"
+    summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    summary["ranks"] = {r: json.loads((run_dir / f"user_rank{r}.json").read_text()) for r in range(4)}
+    summary["log"] = log
+    return summary
+
+
+def _run(run_dir: Path, *args: str, script_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    return _finish(_launch(run_dir, *args, script_args=script_args), run_dir)
+
+
+def _pids_of(run_dir: Path) -> dict[int, int]:
+    """rank -> pid of the processes of this job that have a rank (from /proc: their environment)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "environ").read_bytes().decode().split("\0")
+            environ = dict(kv.split("=", 1) for kv in raw if "=" in kv)
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        if environ.get("NCL_RUN_DIR") == str(run_dir) and "RANK" in environ and "NCL_SPARE_ID" not in environ:
+            out[int(environ["RANK"])] = int(entry.name)
+    return out
+
+
+def _job_processes(run_dir: Path) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"NCL_RUN_DIR={run_dir}\0".encode() in (entry / "environ").read_bytes():
+                    stat = (entry / "stat").read_text()
+                    if stat.rsplit(")", 1)[1].split()[0] != "Z":
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def _progress(run_dir: Path) -> int:
+    steps = []
+    for p in run_dir.glob("progress_rank*.txt"):
+        try:
+            steps.append(int(p.read_text() or 0))
+        except (OSError, ValueError):
+            continue
+    return min(steps) if len(steps) == 4 else 0
+
+
+def _kill_when(run_dir: Path, rank: int, sig: int, at_step: int | None, done: list[str]) -> threading.Thread:
+    """Send `sig` to rank `rank` as soon as it exists (at_step None: while it starts up) or once every rank has
+    trained `at_step` steps."""
+
+    def body() -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            pid = _pids_of(run_dir).get(rank)
+            if pid is not None and (at_step is None or _progress(run_dir) >= at_step):
+                os.kill(pid, sig)
+                done.append(f"{signal.Signals(sig).name} rank {rank} pid {pid} at step {_progress(run_dir)}")
+                return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread
+
+
+def _assert_equal(reference: dict[str, Any], summary: dict[str, Any], steps: int) -> None:
+    assert summary["final_step"] == steps, summary["recoveries"]
+    assert summary["state_sha256"] == reference["state_sha256"], json.dumps(summary["recoveries"], indent=1)
+    for r in range(4):
+        for key in ("params_sha256", "shard_sha256"):
+            assert summary["ranks"][r][key] == reference["ranks"][r][key], (r, key, summary["recoveries"])
+        assert summary["ranks"][r]["global_step"] == steps
+
+
+LOADER = ("--max-steps", "40", "--step-sleep", "0.03")
+DICTS = ("--datamodule", "--accumulate", "2", "--max-steps", "30", "--step-sleep", "0.02")
+
+
+@pytest.fixture(scope="module")
+def reference_loader(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    run_dir = tmp_path_factory.mktemp("user") / "ref-loader"
+    summary = _run(run_dir, script_args=LOADER)
+    assert summary["recoveries"] == [] and summary["final_step"] == 40
+    # 512 samples, 4 ranks, batches of 8: 16 steps an epoch; 40 steps cross two epoch boundaries.
+    assert summary["ranks"][0]["epoch"] == 3
+    return summary
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_killed_at_start_up_at_a_boundary_and_mid_step_ends_equal(reference_loader: dict[str, Any],
+                                                                 tmp_path: Path) -> None:
+    run_dir = tmp_path / "faults"
+    done: list[str] = []
+    proc = _launch(run_dir, "--spares", "1", "--fault", "kill:1:12", script_args=LOADER)
+    threads = [_kill_when(run_dir, 3, signal.SIGKILL, None, done),
+               _kill_when(run_dir, 2, signal.SIGSEGV, 24, done)]
+    summary = _finish(proc, run_dir)
+    for t in threads:
+        t.join(timeout=1)
+    assert len(done) == 2, done
+    _assert_equal(reference_loader, summary, 40)
+    recoveries = summary["recoveries"]
+    assert len(recoveries) == 3, json.dumps(recoveries, indent=1)
+    # Killed while it started (before any rank trained): the job starts again, whole; the kill at a step boundary
+    # and the SIGSEGV in the middle of a step are recovered in process.
+    assert recoveries[0]["failed_ranks"] == [3] and recoveries[0]["path"] == "restart", recoveries[0]
+    boundary, mid = recoveries[1], recoveries[2]
+    assert boundary["failed_ranks"] == [1] and boundary["path"] == "p2p" and boundary["steps_lost"] == 0, boundary
+    assert mid["failed_ranks"] == [2] and mid["exit_codes"] == {"2": -signal.SIGSEGV}, mid
+    assert mid["path"] == "p2p" and mid["steps_lost"] == 0, mid
+    # Healthy ranks kept their process through the in-process recoveries.
+    assert summary["ranks"][0]["pid"] == summary["pids"]["0"][-1] and len(summary["pids"]["0"]) == 2
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_datamodule_dict_batches_accumulation_recovered_equal(tmp_path: Path) -> None:
+    reference = _run(tmp_path / "ref-dict", script_args=DICTS)
+    assert reference["recoveries"] == [] and reference["final_step"] == 30
+    run_dir = tmp_path / "faults-dict"
+    done: list[str] = []
+    proc = _launch(run_dir, "--spares", "1", "--fault", "kill:1:8", script_args=DICTS)
+    thread = _kill_when(run_dir, 0, signal.SIGKILL, 18, done)
+    summary = _finish(proc, run_dir)
+    thread.join(timeout=1)
+    assert done, "rank 0 was not killed"
+    _assert_equal(reference, summary, 30)
+    paths = [(r["failed_ranks"], r["path"], r["steps_lost"]) for r in summary["recoveries"]]
+    assert paths == [([1], "p2p", 0), ([0], "p2p", 0)], json.dumps(summary["recoveries"], indent=1)
+
+
+def _error(*args: str, script: Path = SCRIPT, script_args: tuple[str, ...] = ()) -> tuple[int, str]:
+    proc = subprocess.run([sys.executable, "-m", "nemo_checkpointless.cli.run", *args, str(script), *script_args],
+                          env=_env(), cwd=ROOT, capture_output=True, timeout=TIMEOUT_S, check=False)
+    return proc.returncode, (proc.stdout + proc.stderr).decode(errors="replace")
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_bad_input_gets_one_clear_message_and_leaves_nothing_running(tmp_path: Path) -> None:
+    # The script with plain python: the strategy says how to start it.
+    plain = subprocess.run([sys.executable, str(SCRIPT), "--max-steps", "1"], env=_env(), cwd=ROOT,
+                           capture_output=True, timeout=TIMEOUT_S, check=False)
+    assert plain.returncode != 0 and b"checkpointless-run --nproc-per-node" in plain.stderr, plain.stderr[-2000:]
+    code, out = _error("--nproc-per-node", "4", "--no-such-flag")
+    assert code == 2 and "unrecognized arguments: --no-such-flag" in out, out
+    code, out = _error("--nproc-per-node", "4", "--spares", "-1")
+    assert code == 2 and "--spares=-1" in out and "must be >= 0" in out, out
+    code, out = _error("--nproc-per-node", "4", "--num-instances", "3")
+    assert code == 2 and "--num-instances=3" in out and "divide" in out, out
+    code, out = _error("--nnodes", "2", "--nproc-per-node", "4")
+    assert code == 2 and "--nnodes=2" in out, out
+    code, out = _error("--nproc-per-node", "4", script=tmp_path / "missing.py")
+    assert code == 2 and "is not a file" in out, out
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        code, out = _error("--nproc-per-node", "4", "--master-port", str(port), "--run-dir", str(tmp_path / "p"))
+    assert code == 2 and f"--master-port=127.0.0.1:{port}" in out and "cannot be bound" in out, out
+    # A script that exits non-zero: its exit code, its rank named, nothing left.
+    run_dir = tmp_path / "exits"
+    code, out = _error("--nproc-per-node", "4", "--spares", "1", "--run-dir", str(run_dir),
+                       script=ROOT / "tests" / "scripts" / "exits_3.py")
+    assert code == 3 and "failed before training (exit code 3)" in out, out
+    assert _job_processes(run_dir) == []
+    # Trainer(devices=8) under 4 processes: the world check, from the rank's log.
+    run_dir = tmp_path / "devices"
+    code, out = _error("--nproc-per-node", "4", "--run-dir", str(run_dir), script_args=("--devices", "8"))
+    assert code == 1 and "describes 8 processes; the launcher started 4" in out, out[-3000:]
+    assert _job_processes(run_dir) == []
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_no_rank_or_spare_outlives_the_launcher(tmp_path: Path) -> None:
+    run_dir = tmp_path / "orphans"
+    proc = _launch(run_dir, "--spares", "1", script_args=("--max-steps", "100000", "--step-sleep", "0.01"))
+    deadline = time.monotonic() + TIMEOUT_S
+    while _progress(run_dir) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_job_processes(run_dir)) >= 5  # 4 ranks and the spare
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while _job_processes(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _job_processes(run_dir) == []
