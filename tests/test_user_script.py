@@ -239,3 +239,27 @@ def test_no_rank_or_spare_outlives_the_launcher(tmp_path: Path) -> None:
     while _job_processes(run_dir) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _job_processes(run_dir) == []
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_an_unchanged_ddp_script_gets_the_launchers_store_and_a_whole_restart(tmp_path: Path) -> None:
+    script = ROOT / "tests" / "scripts" / "plain_ddp.py"
+    clean = tmp_path / "ddp-clean"
+    proc = _launch(clean, script=script)
+    out, _ = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    reference = json.loads((clean / "ddp_final.json").read_text())
+    run_dir = tmp_path / "ddp-fault"
+    proc = _launch(run_dir, script=script)
+    deadline = time.monotonic() + TIMEOUT_S
+    progress = run_dir / "ddp_progress.txt"
+    while time.monotonic() < deadline and not (progress.exists() and int(progress.read_text() or 0) >= 12):
+        time.sleep(0.01)
+    os.kill(_pids_of(run_dir)[1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    final = json.loads((run_dir / "ddp_final.json").read_text())
+    # Every rank restarted and resumed from the script's own checkpoint (steps 10 or 15), then ended equal.
+    assert final["resumed_from"] in (10, 15) and final["weights"] == reference["weights"], final
+    [recovery] = json.loads((run_dir / "summary.json").read_text())["recoveries"]
+    assert recovery["path"] == "restart" and recovery["failed_ranks"] == [1], recovery

@@ -325,7 +325,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self.ensure_session()
         env = self.session.env
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None:
+        if trainer is not None and self._launcher is not None:  # a user's Trainer (not the package's worker)
             self._check_world(trainer)
         assert isinstance(self.cluster_environment, LightningEnvironment)
         self.cluster_environment.set_world_size(env.world_size)
