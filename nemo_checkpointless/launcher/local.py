@@ -115,6 +115,9 @@ class _Job:
     # its ranks get torchrun's environment.
     command: list[str] | None = None
     run_id: str = ""
+    # MASTER_PORT's store: the job's store for the first attempt; a fresh one for each whole restart (as
+    # torchelastic does: `init_process_group` through the agent's store adds no per-attempt prefix).
+    rdzv_stores: list[tuple[dist.TCPStore, int]] = field(default_factory=list)
     ranks: dict[int, _Proc] = field(default_factory=dict)
     spares: dict[int, _Proc] = field(default_factory=dict)
     pids: dict[int, list[_Proc]] = field(default_factory=dict)  # every process that was rank r, in order
@@ -166,7 +169,8 @@ class _Job:
         every rank (rank 0 does not host one)."""
         world, launcher = self.cfg.trainer.world_size, self.cfg.launcher
         env = {"LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
-               "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": launcher.host, "MASTER_PORT": str(self.port),
+               "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": launcher.host,
+               "MASTER_PORT": str(self.rdzv_stores[-1][1] if self.rdzv_stores else self.port),
                "TORCHELASTIC_RUN_ID": self.run_id, "TORCHELASTIC_RESTART_COUNT": str(self.generation),
                "TORCHELASTIC_MAX_RESTARTS": str(launcher.max_restarts), "TORCHELASTIC_USE_AGENT_STORE": "True",
                protocol.COLLECTIVE_TIMEOUT_ENV: str(launcher.collective_timeout_s),
@@ -244,6 +248,8 @@ class _Job:
             for p in [*self.ranks.values(), *self.spares.values()]:
                 p.popen.wait()
             self.spares.clear()
+            if self.command is not None:
+                self.rdzv_stores.append(host_store(self.cfg.launcher.host, self.cfg.launcher.start_timeout_s))
         how: dict[int, str] = {}
         for rank in list(self.ranks) if restart_all else failed:
             dead = self.ranks.pop(rank)
