@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart.recovery import REPLACEMENT, SURVIVOR, decide
+from nemo_checkpointless.state.checkpoint import CheckpointStore
 from nemo_checkpointless.state.packing import PackError, checksum, pack, unpack
 from nemo_checkpointless.topology import ParallelDims
 
