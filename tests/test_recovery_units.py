@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -79,6 +82,38 @@ def test_pack_round_trip_and_corruption() -> None:
     flipped = buf.clone()
     flipped[-1] ^= 1
     assert checksum(flipped) != checksum(buf)
+
+
+def _with_header(buf: torch.Tensor, edit: Callable[[dict[str, Any]], Any]) -> torch.Tensor:
+    """`buf` with its JSON header replaced by `edit(header)` (the tensor bytes kept)."""
+    hlen = int(buf[:8].clone().view(torch.int64)[0])
+    header = edit(json.loads(bytes(buf[8 : 8 + hlen].tolist()).decode()))
+    raw = json.dumps(header).encode()
+    size = torch.tensor([len(raw)], dtype=torch.int64).view(torch.uint8)
+    return torch.cat([size, torch.frombuffer(bytearray(raw), dtype=torch.uint8), buf[8 + hlen :]])
+
+
+def _set(entry_key: str, value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def edit(header: dict[str, Any]) -> dict[str, Any]:
+        header["tensors"][0][entry_key] = value
+        return header
+    return edit
+
+
+@pytest.mark.parametrize("edit", [
+    _set("shape", [4, 5]),         # more elements than its bytes hold
+    _set("shape", [-1]),           # a negative size
+    _set("offset", -4),            # before the body
+    _set("dtype", "torch.complex64"),  # a dtype that is never packed
+    _set("nbytes", "many"),        # not a number
+    lambda h: {k: v for k, v in h.items() if k != "meta"},  # no meta
+    lambda h: [h],                 # not an object
+])
+def test_unpack_rejects_a_malformed_header(edit: Callable[[dict[str, Any]], Any]) -> None:
+    buf = pack({"a": torch.randn(3, 5)}, {"step": 1})
+    unpack(_with_header(buf, lambda h: h))  # the rewrite alone keeps it valid
+    with pytest.raises(PackError):
+        unpack(_with_header(buf, edit))
 
 
 def test_checkpoint_store_skips_incomplete_and_detects_corruption(tmp_path: Path) -> None:
