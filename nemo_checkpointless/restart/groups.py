@@ -6,8 +6,9 @@ from a `PrefixStore` over the store that the launcher hosts (never a training ra
 generation; after a failure the survivors simply build the next generation's groups.
 
 Failure news: on gloo only the dead rank's ring neighbours see a crash, and `abort()` does not unblock a stuck
-collective. So every wait here polls the launcher's store for the job's fault key between short waits on the
-collective's future; whichever comes first ends the wait.
+collective. So every wait here polls the launcher's store for the job's fault key between short waits (5 ms) on the
+collective's future; whichever comes first ends the wait. A send's or recv's work has no future: a helper thread
+waits on it, and the caller polls the same way.
 
 Releasing an abandoned generation (`release_groups`): a gloo group that is merely forgotten keeps its sockets and
 its transport thread, and that thread can spin on a core for the rest of the run. When a collective fails on one
