@@ -198,9 +198,9 @@ class ReplicationConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Persistent fallback checkpoint (`replication.CheckpointStore`: raw tensors + JSON, no pickle), written by
-    the first optimizer instance every `every_n_steps` steps (0: never; the fallback is then the seeded initial
-    state); `dir` defaults to RUN_DIR/checkpoints."""
+    """Persistent fallback checkpoint (`state.checkpoint.CheckpointStore`: safetensors files + JSON, no pickle),
+    written by the first optimizer instance every `every_n_steps` steps (0: never; the fallback is then the seeded
+    initial state); `dir` defaults to RUN_DIR/checkpoints."""
 
     every_n_steps: int = 0
     dir: str | None = None

@@ -6,7 +6,7 @@ with the fault-free one:
   the shared-memory cache) and then a SIGSTOP hang (found by the collective timeout and the launcher's watchdog,
   then p2p) in one run;
 - both replicas of one shard lost at once (a kill and an exception): the job falls back by itself to the
-  persistent checkpoint of step 3 (our packed format) and replays from there;
+  persistent checkpoint of step 3 (safetensors files) and replays from there;
 - the fault-free run's `data_sha256` equals the plain-Lightning engine's for the same data settings: both train on
   the same global batches in the same order.
 

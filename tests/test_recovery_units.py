@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import safetensors
+import safetensors.torch
 import torch
 
-from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart.recovery import REPLACEMENT, SURVIVOR, decide
+from nemo_checkpointless.state.checkpoint import CheckpointStore
 from nemo_checkpointless.state.packing import PackError, checksum, pack, unpack
 from nemo_checkpointless.topology import ParallelDims
 
@@ -81,6 +87,38 @@ def test_pack_round_trip_and_corruption() -> None:
     assert checksum(flipped) != checksum(buf)
 
 
+def _with_header(buf: torch.Tensor, edit: Callable[[dict[str, Any]], Any]) -> torch.Tensor:
+    """`buf` with its JSON header replaced by `edit(header)` (the tensor bytes kept)."""
+    hlen = int(buf[:8].clone().view(torch.int64)[0])
+    header = edit(json.loads(bytes(buf[8 : 8 + hlen].tolist()).decode()))
+    raw = json.dumps(header).encode()
+    size = torch.tensor([len(raw)], dtype=torch.int64).view(torch.uint8)
+    return torch.cat([size, torch.frombuffer(bytearray(raw), dtype=torch.uint8), buf[8 + hlen :]])
+
+
+def _set(entry_key: str, value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def edit(header: dict[str, Any]) -> dict[str, Any]:
+        header["tensors"][0][entry_key] = value
+        return header
+    return edit
+
+
+@pytest.mark.parametrize("edit", [
+    _set("shape", [4, 5]),         # more elements than its bytes hold
+    _set("shape", [-1]),           # a negative size
+    _set("offset", -4),            # before the body
+    _set("dtype", "torch.complex64"),  # a dtype that is never packed
+    _set("nbytes", "many"),        # not a number
+    lambda h: {k: v for k, v in h.items() if k != "meta"},  # no meta
+    lambda h: [h],                 # not an object
+])
+def test_unpack_rejects_a_malformed_header(edit: Callable[[dict[str, Any]], Any]) -> None:
+    buf = pack({"a": torch.randn(3, 5)}, {"step": 1})
+    unpack(_with_header(buf, lambda h: h))  # the rewrite alone keeps it valid
+    with pytest.raises(PackError):
+        unpack(_with_header(buf, edit))
+
+
 def test_checkpoint_store_skips_incomplete_and_detects_corruption(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path / "ckpt", num_shards=2)
     assert store.latest(100) == 0
@@ -90,7 +128,7 @@ def test_checkpoint_store_skips_incomplete_and_detects_corruption(tmp_path: Path
     assert store.steps() == [5] and store.latest(100) == 5 and store.latest(4) == 0
     tensors, meta = store.load_shard(5, 1)
     assert meta == {"step": 5} and torch.equal(tensors["x"], torch.ones(4))
-    path = tmp_path / "ckpt" / "step_00000005" / "shard_1.bin"
+    path = tmp_path / "ckpt" / "step_00000005" / "shard_1.safetensors"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
     data = bytearray(path.read_bytes())
@@ -98,6 +136,71 @@ def test_checkpoint_store_skips_incomplete_and_detects_corruption(tmp_path: Path
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="checksum"):
         store.load_shard(5, 1)
+
+
+def _two_checkpoints(tmp_path: Path) -> tuple[CheckpointStore, Path]:
+    """Steps 5 and 10 of a 2-shard store; returns the store and the newest checkpoint's shard 1 file."""
+    store = CheckpointStore(tmp_path / "ckpt", num_shards=2)
+    for step in (5, 10):
+        for shard in range(2):
+            store.save_shard(step, shard, {"x": torch.full((1000,), float(step + shard)), "n": torch.tensor(step)},
+                             {"step": step})
+    assert store.latest(100) == 10
+    return store, tmp_path / "ckpt" / "step_00000010" / "shard_1.safetensors"
+
+
+def test_latest_skips_a_checkpoint_with_a_corrupt_byte(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store, path = _two_checkpoints(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit of a tensor: same size, same header
+    path.write_bytes(bytes(data))
+    assert store.steps() == [5, 10]  # the files are all there
+    with caplog.at_level(logging.WARNING, logger="nemo_checkpointless.state.checkpoint"):
+        assert store.latest(100) == 5
+        assert store.latest(100) == 5
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "step 10" in warnings[0] and "checksum" in warnings[0], warnings
+    assert store.latest(9) == 5
+    tensors, meta = store.load_rank_state(5, 1)
+    assert meta == {"step": 5} and torch.equal(tensors["x"], torch.full((1000,), 6.0))
+    with pytest.raises(ValueError, match="checksum"):
+        store.load_shard(10, 1)
+
+
+def test_latest_skips_a_truncated_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store, path = _two_checkpoints(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    with caplog.at_level(logging.WARNING, logger="nemo_checkpointless.state.checkpoint"):
+        assert store.latest(100) == 5
+    assert any("truncated" in r.getMessage() for r in caplog.records), caplog.records
+    with pytest.raises(ValueError, match="truncated"):
+        store.load_shard(10, 1)
+    # Both checkpoints broken: the seeded initial state.
+    older = tmp_path / "ckpt" / "step_00000005" / "shard_0.safetensors"
+    older.write_bytes(b"")
+    assert store.latest(100) == 0
+
+
+def test_checkpoint_shard_is_safetensors_with_json_meta(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "ckpt", num_shards=1)
+    flat = torch.arange(10.0)
+    # An optimizer shard aliasing a slice of the flat parameters, as the strategy hands them over.
+    tensors = {"param.flat": flat, "shard.main": flat[4:8], "bf": torch.ones(3, dtype=torch.bfloat16),
+               "flag": torch.tensor(True), "empty": torch.empty(0, 4)}
+    store.save_shard(3, 0, tensors, {"step": 3, "sched": [{"last_epoch": 3}]})
+    path = tmp_path / "ckpt" / "step_00000003" / "shard_0.safetensors"
+    plain = safetensors.torch.load_file(path)  # any safetensors reader opens it
+    assert set(plain) == set(tensors) and torch.equal(plain["shard.main"], flat[4:8])
+    with safetensors.safe_open(path, "pt") as f:
+        assert json.loads(f.metadata()["meta"]) == {"step": 3, "sched": [{"last_epoch": 3}]}
+    out, meta = store.load_shard(3, 0)
+    assert meta == {"step": 3, "sched": [{"last_epoch": 3}]}
+    for k, v in tensors.items():
+        assert torch.equal(out[k], v) and out[k].dtype == v.dtype and out[k].shape == v.shape
+    side = json.loads((path.parent / "shard_0.json").read_text())
+    assert side["nbytes"] == path.stat().st_size
+    assert not list(path.parent.glob(".*"))  # no temporary left
 
 
 def test_checkpoint_store_shared_tensors_are_written_once_and_read_by_every_shard(tmp_path: Path) -> None:

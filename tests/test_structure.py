@@ -1,12 +1,16 @@
-"""The structure rule: the engine below `lightning/` and `nemo/` never imports Lightning or NeMo."""
+"""The structure rules: the engine below `lightning/` and `nemo/` never imports Lightning or NeMo; `replication/`
+and `restart/` do not import each other; `state/` imports neither."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 ENGINE = ["nemo_checkpointless", "nemo_checkpointless.topology", "nemo_checkpointless.state",
-          "nemo_checkpointless.replication", "nemo_checkpointless.replication.checkpoint",
+          "nemo_checkpointless.replication", "nemo_checkpointless.state.checkpoint",
           "nemo_checkpointless.restart", "nemo_checkpointless.restart.recovery", "nemo_checkpointless.data.loader",
           "nemo_checkpointless.data.cache", "nemo_checkpointless.launcher.local", "nemo_checkpointless.config",
           "nemo_checkpointless.planning"]
@@ -18,6 +22,30 @@ def test_engine_imports_neither_lightning_nor_nemo() -> None:
             "print(bad)\nsys.exit(1 if bad else 0)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _imported_packages(modules: list[str]) -> set[str]:
+    """The `nemo_checkpointless` subpackages loaded by importing `modules` in a fresh interpreter."""
+    code = (f"import sys\nfor m in {modules!r}:\n    __import__(m)\n"
+            "print(' '.join(sorted({m.split('.')[1] for m in sys.modules\n"
+            "                       if m.startswith('nemo_checkpointless.') and m.count('.') >= 1})))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return set(proc.stdout.split())
+
+
+def _modules_of(package: str) -> list[str]:
+    root = Path(__file__).resolve().parents[1] / "nemo_checkpointless" / package
+    return [f"nemo_checkpointless.{package}.{p.stem}" for p in sorted(root.glob("*.py")) if p.stem != "__init__"]
+
+
+@pytest.mark.parametrize(("package", "forbidden"), [("restart", {"replication"}), ("replication", {"restart"}),
+                                                    ("state", {"replication", "restart"})])
+def test_layers_do_not_import_each_other(package: str, forbidden: set[str]) -> None:
+    modules = _modules_of(package)
+    assert modules, package
+    loaded = _imported_packages(modules)
+    assert package in loaded and not loaded & forbidden, (package, sorted(loaded))
 
 
 def test_public_surface_loads_lazily() -> None:

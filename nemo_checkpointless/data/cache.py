@@ -41,6 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_checkpointless.state.packing import DTYPES, dtype_name
+
 CACHE_FORMAT = 1
 JOB_DIR_PREFIX = "ncl-data-"
 # The store key under which the launcher publishes the job id that names the cache directory.
@@ -48,9 +50,6 @@ JOB_ID_KEY = "job/data_cache_id"
 ALIGN = 64
 _MAX_INDEX_BYTES = 64 << 20
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-    torch.float32, torch.float64)}
 
 Batch = Any  # a tensor, or a list / tuple / dict of batches
 WriteFile = Callable[[str, Sequence[memoryview]], None]
@@ -138,8 +137,8 @@ def layout(leaves: Sequence[torch.Tensor]) -> tuple[list[memoryview], list[dict[
     entries: list[dict[str, Any]] = []
     offset = 0
     for t in leaves:
-        name = str(t.dtype).removeprefix("torch.")
-        if name not in _DTYPES:
+        name = dtype_name(t.dtype)
+        if name not in DTYPES:
             raise TypeError(f"cannot cache a tensor of dtype {t.dtype}")
         data = _leaf_bytes(t)
         pad = -offset % ALIGN
@@ -313,7 +312,7 @@ class BatchCache:
                 return None
             leaves = []
             for e in index["tensors"]:
-                off, n, dtype = int(e["offset"]), int(e["nbytes"]), _DTYPES[e["dtype"]]
+                off, n, dtype = int(e["offset"]), int(e["nbytes"]), DTYPES[e["dtype"]]
                 if off % ALIGN or off < 0 or off + n > nbytes:
                     raise ValueError(f"tensor at [{off}, {off + n}) outside the {nbytes} bytes or misaligned")
                 leaves.append(buf[off : off + n].view(dtype).reshape(e["shape"]))

@@ -44,10 +44,10 @@ from typing_extensions import override
 from nemo_checkpointless import protocol
 from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.replication import ShardedOptimizer
-from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart import Membership, PeerFailure, WorkerEnv
 from nemo_checkpointless.restart.groups import connect_store
 from nemo_checkpointless.restart.recovery import Decision, RecoveryEngine, RecoveryStamps, RestartFromCheckpoint
+from nemo_checkpointless.state.checkpoint import CheckpointStore
 from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
 from nemo_checkpointless.state.rng import capture_rng, restore_rng
 from nemo_checkpointless.topology import ParallelDims, rank_info

@@ -28,12 +28,12 @@ from nemo_checkpointless.lightning.callback import CheckpointlessCallback
 from nemo_checkpointless.lightning.module import LlamaLightningModule
 from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy, JoinSpec, Session
 from nemo_checkpointless.protocol import spare_ready_key, wait_for_assignment
-from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart import Membership, WorkerEnv
 from nemo_checkpointless.restart.groups import connect_store
 from nemo_checkpointless.restart.recovery import RecoveryEngine, RestartFromCheckpoint
 from nemo_checkpointless.restart.template import warm_up_at_idle_priority
 from nemo_checkpointless.restart.worker_env import ENV_PREFIX, SPARE_ID_ENV, preload, run_worker
+from nemo_checkpointless.state.checkpoint import CheckpointStore
 from nemo_checkpointless.topology import rank_info
 
 

@@ -31,7 +31,7 @@ from nemo.lightning import MegatronStrategy
 from typing_extensions import override
 
 from nemo_checkpointless.nemo.adapter import MegatronParticipant
-from nemo_checkpointless.replication.checkpoint import CheckpointStore
+from nemo_checkpointless.state.checkpoint import CheckpointStore
 from nemo_checkpointless.topology import ParallelDims, rank_info
 
 

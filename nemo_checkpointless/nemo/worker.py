@@ -48,7 +48,6 @@ from nemo_checkpointless.protocol import (
     spare_ready_key,
     wait_for_assignment,
 )
-from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart.faults import InjectedFault, fire_faults
 from nemo_checkpointless.restart.groups import (
     Membership,
@@ -61,6 +60,7 @@ from nemo_checkpointless.restart.groups import (
 from nemo_checkpointless.restart.recovery import RecoveryEngine, RecoveryStamps, RestartFromCheckpoint
 from nemo_checkpointless.restart.template import warm_up_at_idle_priority
 from nemo_checkpointless.restart.worker_env import ENV_PREFIX, SPARE_ID_ENV, preload, run_worker
+from nemo_checkpointless.state.checkpoint import CheckpointStore
 from nemo_checkpointless.state.hashing import DataDigest, state_digest
 
 WORKER_SUMMARY = "worker_summary.json"

@@ -18,13 +18,21 @@ The update is elementwise, so results do not depend on N: N=1, 2 and DP give bit
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from nemo_checkpointless.restart.groups import Group
+
+class Collectives(Protocol):
+    """The two collectives the optimizer runs; `restart.groups.Group` is one (this package does not import it, so
+    that `replication/` and `restart/` do not depend on each other)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...
+
+    def all_gather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -51,8 +59,8 @@ class ShardedOptimizer:
         dp_size: int,
         num_instances: int,
         shard_index: int,
-        dp_group: Callable[[], Group],
-        instance_group: Callable[[], Group],
+        dp_group: Callable[[], Collectives],
+        instance_group: Callable[[], Collectives],
         grad_clip: float = 0.0,
         side_channel_numel: int = 0,
     ) -> None:

@@ -6,8 +6,9 @@ from a `PrefixStore` over the store that the launcher hosts (never a training ra
 generation; after a failure the survivors simply build the next generation's groups.
 
 Failure news: on gloo only the dead rank's ring neighbours see a crash, and `abort()` does not unblock a stuck
-collective. So every wait here polls the launcher's store for the job's fault key between short waits on the
-collective's future; whichever comes first ends the wait.
+collective. So every wait here polls the launcher's store for the job's fault key between short waits (5 ms) on the
+collective's future; whichever comes first ends the wait. A send's or recv's work has no future: a helper thread
+waits on it, and the caller polls the same way.
 
 Releasing an abandoned generation (`release_groups`): a gloo group that is merely forgotten keeps its sockets and
 its transport thread, and that thread can spin on a core for the rest of the run. When a collective fails on one
@@ -139,13 +140,20 @@ class Group:
         try:
             work.get_future().add_done_callback(lambda _: done.set())
         except RuntimeError:
-            # gloo's send/recv work has neither a future nor a meaningful is_completed(): wait on it directly. A
-            # peer that dies mid-transfer closes its socket (an error at once); a hung one hits the timeout.
-            try:
-                work.wait(datetime.timedelta(seconds=self.timeout_s))
-            except RuntimeError as e:
-                return PeerFailure(f"{what}: {e}")
-            return None
+            # gloo's send/recv work has neither a future nor a meaningful is_completed(), and a wait with a short
+            # timeout would fail the whole gloo context: a helper thread waits on it, and this thread polls.
+            return self._wait_p2p(work, what)
+        error = self._poll(done, what)
+        if error is not None:
+            return error
+        try:
+            work.wait()
+        except RuntimeError as e:
+            return PeerFailure(f"{what}: {e}")
+        return None
+
+    def _poll(self, done: threading.Event, what: str) -> PeerFailure | None:
+        """Wait for `done` in `POLL_S` slices, checking the fault key between slices, up to the timeout."""
         deadline = time.monotonic() + self.timeout_s
         while not done.wait(POLL_S):
             if fault_generation(self.store) >= self.generation:
@@ -153,11 +161,29 @@ class Group:
             if time.monotonic() > deadline:
                 return CollectiveTimeout(f"{what}: no progress in {self.timeout_s:.0f} s "
                                          "(launcher.collective_timeout_s)")
-        try:
-            work.wait()
-        except RuntimeError as e:
-            return PeerFailure(f"{what}: {e}")
         return None
+
+    def _wait_p2p(self, work: dist.Work, what: str) -> PeerFailure | None:
+        """Wait for a send or recv: `work.wait` (which releases the GIL) on a helper thread, the fault key and the
+        timeout on this one. When the fault key or the timeout ends the wait first, the helper thread stays in
+        `work.wait` until the peer's sockets close (it died, or released the group) or gloo's own timeout, a
+        second later than ours, and then ends; the work itself stays in `unfinished`, for `release_groups`."""
+        done = threading.Event()
+        failed: list[RuntimeError] = []
+
+        def wait() -> None:
+            try:
+                work.wait(datetime.timedelta(seconds=self.timeout_s + 1.0))
+            except RuntimeError as e:
+                failed.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name=f"ncl-p2p-wait-{self.name}", daemon=True).start()
+        error = self._poll(done, what)
+        if error is not None:
+            return error
+        return PeerFailure(f"{what}: {failed[0]}") if failed else None
 
     @property
     def _pg(self) -> Any:

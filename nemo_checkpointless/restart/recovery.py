@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from nemo_checkpointless.errors import RecoveryError
-from nemo_checkpointless.replication.checkpoint import CheckpointStore
 from nemo_checkpointless.restart.groups import CollectiveTimeout, Membership, PeerFailure, alive_key, hang_key
+from nemo_checkpointless.state.checkpoint import CheckpointStore
 from nemo_checkpointless.state.packing import PackError, checksum, pack, unpack
 from nemo_checkpointless.topology import ParallelDims, plan_recovery, rank_info
 
