@@ -30,6 +30,7 @@ START_TIMEOUT_ENV = f"{ENV_PREFIX}START_TIMEOUT_S"
 CHECKPOINT_EVERY_ENV = f"{ENV_PREFIX}CHECKPOINT_EVERY_N_STEPS"
 CHECKPOINT_DIR_ENV = f"{ENV_PREFIX}CHECKPOINT_DIR"
 NUM_INSTANCES_ENV = f"{ENV_PREFIX}NUM_INSTANCES"
+CACHE_ROOT_ENV = f"{ENV_PREFIX}CACHE_ROOT"  # where the job's shared-memory batch cache lives (default /dev/shm)
 FAULT_PLAN_ENV = f"{ENV_PREFIX}FAULT_PLAN"  # JSON list of {kind, rank, step}: test and benchmark faults
 
 TRAIN_START_KEY = "job/train_start"  # set by rank 0 when it starts its first training step

@@ -4,7 +4,8 @@ real signals from outside, every rank's parameters and optimizer shard compared 
 - DataLoader(shuffle=True) over a TensorDataset: a kill at a step boundary (fault plan), SIGKILL of a rank while
   it starts up, SIGSEGV of a rank in the middle of training (wherever it is: forward, backward, a collective);
 - a LightningDataModule with dict batches and accumulate_grad_batches=2: a kill at a step boundary and SIGKILL of
-  rank 0 in the middle of training;
+  rank 0 in the middle of training; then through `MmapDataModule` (tier 2): the replacement's first batch comes
+  from the shared-memory cache;
 - bad input: one clear message and a non-zero exit each, nothing left running;
 - the launcher killed: no rank or spare outlives it.
 """
@@ -182,6 +183,14 @@ def test_datamodule_dict_batches_accumulation_recovered_equal(tmp_path: Path) ->
     _assert_equal(reference, summary, 30)
     paths = [(r["failed_ranks"], r["path"], r["steps_lost"]) for r in summary["recoveries"]]
     assert paths == [([1], "p2p", 0), ([0], "p2p", 0)], json.dumps(summary["recoveries"], indent=1)
+    # Tier 2: the same DataModule through MmapDataModule trains on the same batches (the same end state as the
+    # plain run), and rank 1's replacement reads its first batch (step 12's first micro-batch: 16 + 6) from the
+    # job's shared-memory cache, where rank 1 had prefetched it before it was killed.
+    run_dir = tmp_path / "faults-mmap"
+    summary = _run(run_dir, "--spares", "1", "--fault", "kill:1:12", script_args=(*DICTS, "--mmap"))
+    _assert_equal(reference, summary, 30)
+    spare_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("spare_*.log"))
+    assert "[rank 1] data: first batch (micro-batch 22 of the run) from the cache" in spare_logs, spare_logs[-3000:]
 
 
 def _error(*args: str, script: Path = SCRIPT, script_args: tuple[str, ...] = ()) -> tuple[int, str]:

@@ -18,13 +18,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from torch.utils.data import default_collate
 
 from nemo_checkpointless.data.cache import Batch, BatchCache, fingerprint
-from nemo_checkpointless.data.sampling import GlobalBatchPlan, IndexPermutation
 
 LOADER_STATE_VERSION = 1
 log = logging.getLogger(__name__)
@@ -76,6 +75,24 @@ class BatchLedger:
         self.checked += 1
 
 
+class BatchPlan(Protocol):
+    """Which samples each data-parallel rank trains on at each step (`GlobalBatchPlan`, or a torch sampler's
+    order: `lightning.data`)."""
+
+    @property
+    def dp_size(self) -> int: ...
+
+    @property
+    def micro_batch_size(self) -> int: ...
+
+    @property
+    def global_batch_size(self) -> int: ...
+
+    def sample_ids(self, step: int, dp_rank: int, cache: dict[int, Any]) -> np.ndarray: ...
+
+    def samples_consumed(self, step: int) -> int: ...
+
+
 class MmapBatchLoader:
     """An iterable of one data-parallel rank's batches for steps [start, `end_step`), for any map-style dataset.
 
@@ -99,7 +116,7 @@ class MmapBatchLoader:
     Not thread-safe: iterate from one thread. Call `close()` when done (stops the prefetch thread).
     """
 
-    def __init__(self, dataset: Any, plan: GlobalBatchPlan, dp_rank: int, end_step: int, *,
+    def __init__(self, dataset: Any, plan: BatchPlan, dp_rank: int, end_step: int, *,
                  start_step: int | Callable[[], int] = 0, cache: BatchCache | None = None, writer: bool = True,
                  prefetch: int = 16, lookback: int = 4,
                  collate_fn: Callable[[list[Any]], Batch] = default_collate, verify: bool = True,
@@ -122,7 +139,7 @@ class MmapBatchLoader:
         self.reader_wait_s = reader_wait_s
         self.data_version = data_version
         self.name = name
-        self._perm_cache: dict[int, IndexPermutation] = {}
+        self._perm_cache: dict[int, Any] = {}
         self._cond = threading.Condition()
         self._cursor = 0  # the step the consumer asked for last
         self._stop = False

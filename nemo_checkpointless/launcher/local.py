@@ -178,6 +178,8 @@ class _Job:
                protocol.CHECKPOINT_EVERY_ENV: str(self.cfg.checkpoint.every_n_steps)}
         if self.cfg.checkpoint.dir:
             env[protocol.CHECKPOINT_DIR_ENV] = self.cfg.checkpoint.dir
+        if self.cfg.data.cache_root:
+            env[protocol.CACHE_ROOT_ENV] = self.cfg.data.cache_root
         if self.cfg.replication.num_instances > 1:
             env[protocol.NUM_INSTANCES_ENV] = str(self.cfg.replication.num_instances)
         if self.cfg.fault.plan:

@@ -191,6 +191,8 @@ class CheckpointlessStrategy(ParallelStrategy):
         checkpoint_dir: where that checkpoint goes. Default: `RUN_DIR/checkpoints`.
         collective_timeout_s: a collective that makes no progress for this long is a hang. Default:
             `checkpointless-run --collective-timeout`, else 30.
+        cache_batches: serve the train loader's batches through the job's shared-memory cache (tier 2; what
+            `MmapDataModule(your_datamodule)` sets), so a replacement's first batch is ready at once.
         session, join: set by the package's own worker (which builds its groups itself); users leave them out.
     """
 
@@ -198,8 +200,8 @@ class CheckpointlessStrategy(ParallelStrategy):
 
     def __init__(self, num_instances: int | None = None, grad_clip: float | None = None, *,
                  checkpoint_every_n_steps: int | None = None, checkpoint_dir: str | None = None,
-                 collective_timeout_s: float | None = None, session: Session | None = None,
-                 join: JoinSpec | None = None) -> None:
+                 collective_timeout_s: float | None = None, cache_batches: bool = False,
+                 session: Session | None = None, join: JoinSpec | None = None) -> None:
         super().__init__(cluster_environment=LightningEnvironment())
         self._session = session
         self._num_instances_arg = num_instances
@@ -223,6 +225,9 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._replaying = False
         self._skip_samples = 0
         self._loops_resumed = False
+        self.cache_batches = cache_batches
+        self.cache_prefetch, self.cache_lookback = 16, 4
+        self._cached: Any = None  # the CachedTrainLoader of the current fit
         env = os.environ
         if protocol.SPARE_ID_ENV in env and session is None:
             _set_rank_zero(-1)  # a spare says nothing as "rank 0" before it has a rank
@@ -425,11 +430,31 @@ class CheckpointlessStrategy(ParallelStrategy):
             raise ConfigError("DataLoader(batch_sampler=...)", type(batch_sampler).__name__,
                               "the data position is restored through a torch BatchSampler's sampler",
                               "pass batch_size= and a sampler (or shuffle=) to the DataLoader instead")
+        if self.cache_batches:
+            return self._cached_loader(trainer, dataloader)
         if not isinstance(batch_sampler.sampler, _ResumingSampler):
             batch_sampler.sampler = _ResumingSampler(batch_sampler.sampler, self._take_skip)
         self._resume_loops(trainer, len(dataloader), batch_sampler.batch_size)
         self._loops_resumed = True
         return dataloader
+
+    def _cached_loader(self, trainer: pl.Trainer, dataloader: DataLoader) -> Any:
+        from nemo_checkpointless.lightning.data import CachedTrainLoader, job_id_fallback
+
+        if self._cached is not None:
+            self._cached.close()
+        env = self.session.env
+        info = rank_info(self.session.dims, env.rank)
+        cached = CachedTrainLoader(dataloader, store=self.membership.store, rank=env.rank, dp_rank=info.dp_rank,
+                                   dp_size=self.session.dims.dp, cache_root=os.environ.get(protocol.CACHE_ROOT_ENV),
+                                   job_id_fallback=job_id_fallback(env.run_dir, env.store_port),
+                                   prefetch=self.cache_prefetch, lookback=self.cache_lookback)
+        batch_size = cached.plan.micro_batch_size
+        self._resume_loops(trainer, len(cached), batch_size)
+        cached.skip_batches, self._skip_samples = self._skip_samples // batch_size, 0
+        self._loops_resumed = True
+        self._cached = cached
+        return cached
 
     def _take_skip(self) -> int:
         skip, self._skip_samples = self._skip_samples, 0

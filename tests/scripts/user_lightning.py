@@ -1,7 +1,8 @@
 """A user's own Lightning script, written as for `torchrun` + DDP, with the strategy swapped in.
 
 Its own LightningModule (dropout), its own data (TensorDataset + DataLoader(shuffle=True), or a
-LightningDataModule with dict batches), its own AdamW + LR schedule, `self.log(..., sync_dist=True)`.
+LightningDataModule with dict batches, optionally through `MmapDataModule`), its own AdamW + LR schedule,
+`self.log(..., sync_dist=True)`.
 Run by the tests with `checkpointless-run --nproc-per-node 4 --spares 1 tests/scripts/user_lightning.py ...`.
 
 At the end every rank writes `RUN_DIR/user_rank<r>.json`: digests of its parameters and of its own optimizer
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from nemo_checkpointless.lightning import CheckpointlessCallback, CheckpointlessStrategy
+from nemo_checkpointless.lightning import CheckpointlessCallback, CheckpointlessStrategy, MmapDataModule
 
 
 def make_data(n: int = 512, features: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +96,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--max-epochs", type=int, default=-1)
     parser.add_argument("--datamodule", action="store_true")
+    parser.add_argument("--mmap", action="store_true", help="the DataModule through MmapDataModule (tier 2)")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--step-sleep", type=float, default=0.0)
@@ -111,7 +113,8 @@ def main() -> None:
         gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0)
     if args.datamodule:
-        trainer.fit(model, datamodule=RegressionData(args.batch_size))
+        data = RegressionData(args.batch_size)
+        trainer.fit(model, datamodule=MmapDataModule(data) if args.mmap else data)
     else:
         x, y = make_data()
         trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True))
