@@ -150,23 +150,42 @@ def test_killed_at_start_up_at_a_boundary_and_mid_step_ends_equal(reference_load
     done: list[str] = []
     proc = _launch(run_dir, "--spares", "1", "--fault", "kill:1:12", script_args=LOADER)
     threads = [_kill_when(run_dir, 3, signal.SIGKILL, None, done),
-               _kill_when(run_dir, 2, signal.SIGSEGV, 24, done)]
+               _kill_when(run_dir, 2, signal.SIGSEGV, 24, done),
+               _kill_when(run_dir, 0, signal.SIGTERM, 32, done)]
     summary = _finish(proc, run_dir)
     for t in threads:
         t.join(timeout=1)
-    assert len(done) == 2, done
+    assert len(done) == 3, done
     _assert_equal(reference_loader, summary, 40)
     recoveries = summary["recoveries"]
-    assert len(recoveries) == 3, json.dumps(recoveries, indent=1)
-    # Killed while it started (before any rank trained): the job starts again, whole; the kill at a step boundary
-    # and the SIGSEGV in the middle of a step are recovered in process.
+    brief = [(r["failed_ranks"], r["exit_codes"], r["step"], r["path"], r["replacement"]) for r in recoveries]
+    assert len(recoveries) == 4, brief
+    # Killed while it started (before any rank trained): the job starts again, whole; the kill at a step boundary,
+    # the SIGSEGV in the middle of a step and the SIGTERM are recovered in process.
     assert recoveries[0]["failed_ranks"] == [3] and recoveries[0]["path"] == "restart", recoveries[0]
     boundary, mid = recoveries[1], recoveries[2]
     assert boundary["failed_ranks"] == [1] and boundary["path"] == "p2p" and boundary["steps_lost"] == 0, boundary
     assert mid["failed_ranks"] == [2] and mid["exit_codes"] == {"2": -signal.SIGSEGV}, mid
     assert mid["path"] == "p2p" and mid["steps_lost"] == 0, mid
-    # Healthy ranks kept their process through the in-process recoveries.
-    assert summary["ranks"][0]["pid"] == summary["pids"]["0"][-1] and len(summary["pids"]["0"]) == 2
+    # SIGTERM: Lightning's handler stops the rank at its next step boundary; it is replaced like a crash.
+    term = recoveries[3]
+    assert term["failed_ranks"] == [0] and term["path"] == "p2p" and term["steps_lost"] == 0, term
+    # Healthy ranks kept their process through the in-process recoveries (rank 1: restart, then its fault).
+    assert summary["ranks"][1]["pid"] == summary["pids"]["1"][-1] and len(summary["pids"]["1"]) == 3
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_validation_and_bf16_mixed_recovered_equal(tmp_path: Path) -> None:
+    args = ("--max-steps", "40", "--val-every", "6", "--precision", "bf16-mixed", "--step-sleep", "0.02")
+    reference = _run(tmp_path / "ref-val", script_args=args)
+    summary = _run(tmp_path / "faults-val", "--spares", "1", "--fault", "kill:1:14", script_args=args)
+    _assert_equal(reference, summary, 40)
+    [recovery] = summary["recoveries"]
+    assert recovery["path"] == "p2p" and recovery["steps_lost"] == 0, recovery
+    # Validation ran after batches 6 and 12 of each 16-batch epoch (5 times in 40 steps), 2 batches of its
+    # 64 samples on each of the 4 ranks each time; a survivor validated as often in the faulted run.
+    assert reference["ranks"][0]["val_batches"] == 5 * 2, reference["ranks"][0]
+    assert summary["ranks"][2]["val_batches"] == reference["ranks"][2]["val_batches"]
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)

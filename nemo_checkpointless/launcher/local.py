@@ -249,6 +249,8 @@ class _Job:
                     p.popen.kill()
             for p in [*self.ranks.values(), *self.spares.values()]:
                 p.popen.wait()
+            if self.command is not None:
+                self.refill += len(self.spares)  # a user's script keeps its spares once the restart is done
             self.spares.clear()
             if self.command is not None:
                 self.rdzv_stores.append(host_store(self.cfg.launcher.host, self.cfg.launcher.start_timeout_s))

@@ -137,7 +137,13 @@ class _InProcessLauncher(_Launcher):
         return True
 
     def kill(self, signum: Any) -> None:
-        """Nothing to signal: the ranks are the launcher's processes, not this one's children."""
+        """Lightning calls this when the process gets SIGTERM. A rank told to stop from outside is a fault to
+        recover, like a crash: die by the signal now (its default action) rather than stop at the next step and
+        then hang in interpreter teardown, joining gloo threads of a collective the others are still in."""
+        import signal
+
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None,
@@ -313,6 +319,9 @@ class CheckpointlessStrategy(ParallelStrategy):
         ckpt_dir = self._checkpoint_dir_arg or environ.get(protocol.CHECKPOINT_DIR_ENV)
         self._session = Session.create(env, store, ParallelDims(world_size=world, num_instances=n), timeout,
                                        every, ckpt_dir)
+        # A cold replacement runs the whole script before it reaches the recovery: the others wait for it to
+        # arrive for as long as a rank may take to start, not one collective timeout.
+        self._session.membership.arrive_timeout_s = max(timeout, _env_number(protocol.START_TIMEOUT_ENV, 120.0))
         if join.kind == "replacement":
             # Anything this rank does before the join belongs to the generation it joins, not to generation 0.
             self._session.membership.generation = join.generation - 1

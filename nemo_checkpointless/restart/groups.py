@@ -86,6 +86,9 @@ class Group:
     rank: int
     host: str
     timeout_s: float
+    # How long the members may take to arrive (None: `timeout_s`); longer where a member may still be starting,
+    # e.g. a cold replacement importing a user's script while the survivors wait in the recovery.
+    arrive_timeout_s: float | None = None
     pg: Any = field(init=False)  # ProcessGroupGloo; its collective methods are untyped in torch's stubs
     # Collectives that did not complete (a failure or the fault key ended the wait): each holds the group's gloo
     # context (its sockets) until it is dropped, so the group owns them and `release` drops them with the group.
@@ -108,13 +111,14 @@ class Group:
         timeout if a member died before joining (e.g. a second failure during a recovery)."""
         key = f"{prefix}/arrived"
         self.store.add(key, 1)
-        deadline = time.monotonic() + self.timeout_s
+        patience = self.arrive_timeout_s or self.timeout_s
+        deadline = time.monotonic() + patience
         while self.store.add(key, 0) < len(self.ranks):
             if fault_generation(self.store) >= self.generation:
                 raise PeerFailure(f"forming group {self.name}: the launcher reported a failed rank "
                                   f"(generation {self.generation})")
             if time.monotonic() > deadline:
-                raise PeerFailure(f"forming group {self.name}: not every member arrived within {self.timeout_s:.0f} s")
+                raise PeerFailure(f"forming group {self.name}: not every member arrived within {patience:.0f} s")
             time.sleep(0.001)
 
     @property
@@ -293,6 +297,7 @@ class Membership:
     timeout_s: float
     generation: int = 0
     groups: dict[str, Group] = field(default_factory=dict)
+    arrive_timeout_s: float | None = None  # see `Group.arrive_timeout_s`
 
     def __post_init__(self) -> None:
         _REAPER.start()
@@ -302,7 +307,7 @@ class Membership:
         key = f"{name}:{','.join(map(str, ranks))}"
         if key not in self.groups:
             self.groups[key] = Group(self.store, self.generation, name, tuple(ranks), self.rank, self.host,
-                                     self.timeout_s)
+                                     self.timeout_s, self.arrive_timeout_s)
         return self.groups[key]
 
     def world(self) -> Group:

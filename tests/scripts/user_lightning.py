@@ -60,6 +60,7 @@ class Regressor(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, hidden),
                                  nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, 1))
         self.step_sleep = step_sleep
+        self.val_batches = 0
 
     def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
         if isinstance(batch, dict):
@@ -71,6 +72,11 @@ class Regressor(pl.LightningModule):
         loss = nn.functional.mse_loss(self.net(x).squeeze(1), y)
         self.log("train_loss", loss, sync_dist=True, on_step=True)
         return loss
+
+    def validation_step(self, batch: object, batch_idx: int) -> None:
+        x, y = batch  # type: ignore[misc]
+        self.val_batches += 1
+        self.log("val_loss", nn.functional.mse_loss(self.net(x).squeeze(1), y), sync_dist=True)
 
     def configure_optimizers(self) -> object:
         optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
@@ -101,6 +107,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--devices", default="4")
+    parser.add_argument("--val-every", type=int, default=0, help="validate every N batches (0: no validation)")
+    parser.add_argument("--precision", default="32-true")
     args = parser.parse_args()
     run_dir = os.environ.get("NCL_RUN_DIR", ".")
 
@@ -111,15 +119,18 @@ def main() -> None:
         strategy=CheckpointlessStrategy(), callbacks=[CheckpointlessCallback(), Progress(run_dir)],
         max_steps=args.max_steps, max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
         gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0)
+        enable_model_summary=False, num_sanity_val_steps=0, precision=args.precision,
+        val_check_interval=args.val_every or None, limit_val_batches=4 if args.val_every else 0)
     if args.datamodule:
         data = RegressionData(args.batch_size)
         trainer.fit(model, datamodule=MmapDataModule(data) if args.mmap else data)
     else:
         x, y = make_data()
-        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True))
+        val = DataLoader(TensorDataset(x[:64], y[:64]), batch_size=args.batch_size) if args.val_every else None
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True), val)
     digests = trainer.strategy.rank_state_digests()  # type: ignore[attr-defined]
-    digests.update(rank=trainer.global_rank, global_step=trainer.global_step, epoch=trainer.current_epoch,
+    digests.update(rank=trainer.global_rank, val_batches=model.val_batches, global_step=trainer.global_step,
+                   epoch=trainer.current_epoch,
                    pid=os.getpid())
     with open(os.path.join(run_dir, f"user_rank{trainer.global_rank}.json"), "w") as f:
         json.dump(digests, f)
