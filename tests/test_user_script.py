@@ -291,3 +291,37 @@ def test_an_unchanged_ddp_script_gets_the_launchers_store_and_a_whole_restart(tm
     assert final["resumed_from"] in (10, 15) and final["weights"] == reference["weights"], final
     [recovery] = json.loads((run_dir / "summary.json").read_text())["recoveries"]
     assert recovery["path"] == "restart" and recovery["failed_ranks"] == [1], recovery
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_a_second_death_during_the_recovery_is_recovered_too(reference_loader: dict[str, Any],
+                                                             tmp_path: Path) -> None:
+    # No spare: rank 1's replacement is a cold start, so the recovery lasts while it runs the script up to fit;
+    # rank 2 is killed in that window (once the replacement's process exists). Ranks 1 and 2 hold different
+    # shards, so both are restored p2p from ranks 3 and 0, in one recovery at the next generation.
+    run_dir = tmp_path / "during"
+    proc = _launch(run_dir, "--fault", "kill:1:12", script_args=LOADER)
+    first: dict[int, int] = {}
+    done: list[str] = []
+
+    def second() -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            pids = _pids_of(run_dir)
+            if 1 in pids and 2 in pids:
+                first.setdefault(1, pids[1])
+                if pids[1] != first[1]:  # rank 1's replacement is starting: the survivors are recovering
+                    os.kill(pids[2], signal.SIGKILL)
+                    done.append(f"rank 2 pid {pids[2]} at step {_progress(run_dir)}")
+                    return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=second, daemon=True)
+    thread.start()
+    summary = _finish(proc, run_dir)
+    thread.join(timeout=1)
+    assert done, "rank 2 was not killed"
+    _assert_equal(reference_loader, summary, 40)
+    [recovery] = summary["recoveries"]
+    assert recovery["failed_ranks"] == [1, 2] and recovery["path"] == "p2p", recovery
+    assert recovery["steps_lost"] == 0 and recovery["step"] == 12, recovery

@@ -131,6 +131,7 @@ class _Job:
     hang_deadline: float | None = None
     hang_handled: set[int] = field(default_factory=set)  # generations whose hang report was acted on
     hung: set[int] = field(default_factory=set)
+    in_process: bool = False  # a process of the job runs CheckpointlessStrategy (see `recovers_in_process`)
 
     def process_env(self, extra_env: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ)
@@ -320,12 +321,15 @@ class _Job:
 
     def recovers_in_process(self) -> bool:
         """Whether the job's processes recover in place (they run `CheckpointlessStrategy`). A user's script whose
-        running ranks never said so (tier 1: the launcher alone, e.g. plain DDP) is restarted whole, from its own
-        checkpoint, with the store kept: `TORCHELASTIC_RESTART_COUNT` moves `init_process_group` to fresh keys."""
-        if self.command is None:
+        processes never said so (tier 1: the launcher alone, e.g. plain DDP; or a death before any rank reached
+        `fit`) is restarted whole, from its own checkpoint, with the store kept and a fresh `MASTER_PORT` store."""
+        if self.command is None or self.in_process:
             return True
-        live = [p.popen.pid for p in self.ranks.values() if p.popen.poll() is None]
-        return bool(live) and all(self.store.check([protocol.checkpointless_key(pid)]) for pid in live)
+        # Every rank runs the same script: once one process of the job said so, the job recovers in process
+        # (a replacement still starting has not said so yet).
+        self.in_process = any(self.store.check([protocol.checkpointless_key(p.popen.pid)])
+                              for procs in self.pids.values() for p in procs)
+        return self.in_process
 
     def where(self, rank: int) -> str:
         """Where a failed rank's error is: the last line of its log, and the log (rank 0 writes to this terminal)."""
