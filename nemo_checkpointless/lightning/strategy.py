@@ -197,6 +197,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         checkpoint_dir: where that checkpoint goes. Default: `RUN_DIR/checkpoints`.
         collective_timeout_s: a collective that makes no progress for this long is a hang. Default:
             `checkpointless-run --collective-timeout`, else 30.
+        verify_checksum: check the sha256 of every state a replacement receives (a mismatch: checkpoint fallback).
         cache_batches: serve the train loader's batches through the job's shared-memory cache (tier 2; what
             `MmapDataModule(your_datamodule)` sets), so a replacement's first batch is ready at once.
         session, join: set by the package's own worker (which builds its groups itself); users leave them out.
@@ -207,7 +208,8 @@ class CheckpointlessStrategy(ParallelStrategy):
     def __init__(self, num_instances: int | None = None, grad_clip: float | None = None, *,
                  checkpoint_every_n_steps: int | None = None, checkpoint_dir: str | None = None,
                  collective_timeout_s: float | None = None, cache_batches: bool = False,
-                 session: Session | None = None, join: JoinSpec | None = None) -> None:
+                 verify_checksum: bool = True, session: Session | None = None,
+                 join: JoinSpec | None = None) -> None:
         super().__init__(cluster_environment=LightningEnvironment())
         self._session = session
         self._num_instances_arg = num_instances
@@ -217,6 +219,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._checkpoint_every_arg = checkpoint_every_n_steps
         self._checkpoint_dir_arg = checkpoint_dir
         self._collective_timeout_arg = collective_timeout_s
+        self._verify_checksum = verify_checksum
         self.join = join or JoinSpec()
         self._num_nodes = 1
         self.sharded: ShardedOptimizer | None = None
@@ -318,7 +321,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         timeout = self._collective_timeout_arg or _env_number(protocol.COLLECTIVE_TIMEOUT_ENV, 30.0)
         ckpt_dir = self._checkpoint_dir_arg or environ.get(protocol.CHECKPOINT_DIR_ENV)
         self._session = Session.create(env, store, ParallelDims(world_size=world, num_instances=n), timeout,
-                                       every, ckpt_dir)
+                                       every, ckpt_dir, verify_checksum=self._verify_checksum)
         # A cold replacement runs the whole script before it reaches the recovery: the others wait for it to
         # arrive for as long as a rank may take to start, not one collective timeout.
         self._session.membership.arrive_timeout_s = max(timeout, _env_number(protocol.START_TIMEOUT_ENV, 120.0))

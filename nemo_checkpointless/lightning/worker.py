@@ -1,8 +1,10 @@
 """A training rank or a hot spare: `python -m nemo_checkpointless.lightning.worker`, started by the launcher.
 
-A spare imports everything and opens the data, then waits for the launcher to hand it a rank; it then joins as
-that rank's replacement. Every rank runs `fit` in a loop: a fallback to the persistent checkpoint leaves `fit`
-(`RestartFromCheckpoint`) and enters it again in the same process, from the checkpoint's step.
+The built-in job written as a user's script would be, on the public pieces only: `CheckpointlessStrategy`,
+`CheckpointlessCallback` and a `LightningDataModule` (`JobData`). A spare imports everything, builds the model
+and the trainer, and waits inside `fit` (the strategy's launcher) for the launcher to hand it a rank; it then
+joins as that rank's replacement. A fallback to the persistent checkpoint leaves the fit loop and enters it
+again in the same process, from the checkpoint's step (the strategy's launcher too).
 """
 
 from __future__ import annotations
@@ -26,14 +28,10 @@ from nemo_checkpointless.data.loader import LedgeredLoader, MmapBatchLoader
 from nemo_checkpointless.data.sampling import GlobalBatchPlan, RankBatchSampler, TokenSequences
 from nemo_checkpointless.lightning.callback import CheckpointlessCallback
 from nemo_checkpointless.lightning.module import LlamaLightningModule
-from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy, JoinSpec, Session
-from nemo_checkpointless.protocol import spare_ready_key, wait_for_assignment
-from nemo_checkpointless.restart import Membership, WorkerEnv
-from nemo_checkpointless.restart.groups import connect_store
-from nemo_checkpointless.restart.recovery import RecoveryEngine, RestartFromCheckpoint
+from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy, Session
+from nemo_checkpointless.protocol import RUN_DIR_ENV, SPARE_ID_ENV
 from nemo_checkpointless.restart.template import warm_up_at_idle_priority
-from nemo_checkpointless.restart.worker_env import ENV_PREFIX, SPARE_ID_ENV, preload, run_worker
-from nemo_checkpointless.state.checkpoint import CheckpointStore
+from nemo_checkpointless.restart.worker_env import preload, run_worker
 from nemo_checkpointless.topology import rank_info
 
 
@@ -52,26 +50,10 @@ class _PositionedSampler(RankBatchSampler):
         return self.end_step - self.session.position.step
 
 
-def build_session(cfg: Config, env: WorkerEnv, store: torch.distributed.Store) -> Session:
-    membership = Membership(store, env.rank, env.world_size, env.store_host, cfg.launcher.collective_timeout_s)
-    dims = cfg.dims()
-    shards = dims.shard_size
-    ckpt_dir = cfg.checkpoint.dir or str(Path(env.run_dir) / "checkpoints")
-    checkpoints = CheckpointStore(ckpt_dir, shards) if cfg.checkpoint.every_n_steps else None
-    engine = RecoveryEngine(membership, dims, checkpoints, verify_checksum=cfg.replication.checksum)
-    return Session(env, membership, dims, engine, checkpoints, cfg.checkpoint.every_n_steps)
-
-
-# This process's loader from its previous `fit` (a checkpoint restart builds a new one): its prefetch thread stops.
-_previous_loader: list[MmapBatchLoader | LedgeredLoader] = []
-
-
 def _build_loader(cfg: Config, session: Session, dataset: TokenSequences, plan: GlobalBatchPlan, dp_rank: int
                   ) -> Iterable[torch.Tensor]:
     """`data.loader=mmap`: batches from the job's shared-memory cache (tier 2); `plain`: a `DataLoader`. Both start
     at the session's data position when iterated, and with `data.verify` record what they yield for the check."""
-    while _previous_loader:
-        _previous_loader.pop().close()
     env = session.env
     start = lambda: session.position.step  # noqa: E731  (set by a join or a restart before `fit` iterates)
     loader: MmapBatchLoader | LedgeredLoader
@@ -85,53 +67,82 @@ def _build_loader(cfg: Config, session: Session, dataset: TokenSequences, plan: 
         loader = job_loader(cfg, session.membership.store, rank=env.rank, dims=session.dims, run_dir=env.run_dir,
                             store_port=env.store_port, dataset=dataset, plan=plan, end_step=cfg.trainer.max_steps,
                             start_step=start, name=f"[rank {env.rank}]")
-    _previous_loader.append(loader)
     return loader
+
+
+class JobData(pl.LightningDataModule):
+    """The built-in job's data: token sequences in the order of the job's `GlobalBatchPlan` (the NeMo engine's
+    too), through the shared-memory cache (`data.loader=mmap`) or a `DataLoader` (`plain`). Built when `fit`
+    starts, from the strategy's session (a spare learns its rank there), and again when `fit` is entered again
+    after a checkpoint fallback; both start at the session's data position."""
+
+    def __init__(self, cfg: Config, tokens: Any) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dataset = TokenSequences(tokens, cfg.data.seq_len)
+        self.loader: Iterable[torch.Tensor] | None = None
+
+    def train_dataloader(self) -> Iterable[torch.Tensor]:
+        assert self.trainer is not None
+        strategy = self.trainer.strategy
+        assert isinstance(strategy, CheckpointlessStrategy)
+        session, cfg = strategy.session, self.cfg
+        if isinstance(self.loader, (MmapBatchLoader, LedgeredLoader)):
+            self.loader.close()  # its prefetch thread stops
+        dp_rank = rank_info(session.dims, session.env.rank).dp_rank
+        plan = GlobalBatchPlan(len(self.dataset), cfg.data.micro_batch_size, session.dims.dp, cfg.seed,
+                               cfg.data.shuffle)
+        self.loader = _build_loader(cfg, session, self.dataset, plan, dp_rank)
+        return self.loader
 
 
 class _DataOrderCheck(pl.Callback):
     """Before each step: the batch must be the one the loader produced for this step (`data.verify`)."""
 
-    def __init__(self, loader: MmapBatchLoader | LedgeredLoader, rank: int) -> None:
-        self.loader = loader
-        self.rank = rank
+    def __init__(self, data: JobData) -> None:
+        self.data = data
+        self._first = True
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._first = True
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self.loader.check_batch(trainer.global_step, batch)
-        first = getattr(self.loader, "first_batch", None)
+        loader = self.data.loader
+        if not isinstance(loader, (MmapBatchLoader, LedgeredLoader)):
+            return
+        loader.check_batch(trainer.global_step, batch)
+        first = getattr(loader, "first_batch", None)
         if self._first and first and first["step"]:
-            print(f"[rank {self.rank}] data: first batch at step {first['step']} from the {first['source']} in "
-                  f"{1e3 * first['s']:.2f} ms", flush=True)
+            print(f"[rank {trainer.global_rank}] data: first batch at step {first['step']} from the "
+                  f"{first['source']} in {1e3 * first['s']:.2f} ms", flush=True)
         self._first = False
 
 
-def _data_callbacks(loader: Iterable[torch.Tensor], rank: int) -> list[pl.Callback]:
-    return [_DataOrderCheck(loader, rank)] if isinstance(loader, (MmapBatchLoader, LedgeredLoader)) else []
-
-
-def build_trainer(cfg: Config, session: Session, tokens: object, join: JoinSpec
-                  ) -> tuple[pl.Trainer, LlamaLightningModule, Iterable[torch.Tensor]]:
-    env = session.env
+def build_trainer(cfg: Config, tokens: object) -> tuple[pl.Trainer, LlamaLightningModule, JobData]:
+    """The job as a user's script would write it: the public strategy, callback and a data module."""
     # The same seed on every rank: every replica starts from the same parameters.
     pl.seed_everything(cfg.seed, workers=False, verbose=False)
-    dataset = TokenSequences(tokens, cfg.data.seq_len)  # type: ignore[arg-type]
-    dp_rank = rank_info(session.dims, env.rank).dp_rank
-    plan = GlobalBatchPlan(len(dataset), cfg.data.micro_batch_size, session.dims.dp, cfg.seed, cfg.data.shuffle)
-    loader = _build_loader(cfg, session, dataset, plan, dp_rank)
+    data = JobData(cfg, tokens)
     module = LlamaLightningModule(cfg.model.llama_config(), cfg.optim, cfg.trainer.max_steps)
-    strategy = CheckpointlessStrategy(num_instances=cfg.replication.num_instances, grad_clip=cfg.optim.grad_clip,
-                                      session=session, join=join)
+    strategy = CheckpointlessStrategy(
+        num_instances=cfg.replication.num_instances, grad_clip=cfg.optim.grad_clip,
+        checkpoint_every_n_steps=cfg.checkpoint.every_n_steps, checkpoint_dir=cfg.checkpoint.dir,
+        collective_timeout_s=cfg.launcher.collective_timeout_s, verify_checksum=cfg.replication.checksum)
+    run_dir = os.environ[RUN_DIR_ENV]
+    callbacks: list[pl.Callback] = [CheckpointlessCallback(run_dir, cfg.fault.plan)]
+    if cfg.data.loader != "plain" or cfg.data.verify:
+        callbacks.insert(0, _DataOrderCheck(data))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=cfg.trainer.max_steps,
-        callbacks=[*_data_callbacks(loader, env.rank), CheckpointlessCallback(env.run_dir, cfg.fault.plan)],
-        logger=CSVLogger(env.run_dir, name="logs", version=f"metrics_rank{env.rank}") if env.rank == 0 else False,
+        accelerator="cpu", devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes, strategy=strategy,
+        max_steps=cfg.trainer.max_steps, callbacks=callbacks,
+        logger=CSVLogger(run_dir, name="logs", version="metrics_rank0"),  # written by rank 0 only
         log_every_n_steps=cfg.trainer.log_every_n_steps, enable_checkpointing=False,
         enable_progress_bar=cfg.trainer.progress_bar, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0)
-    return trainer, module, loader
+    return trainer, module, data
 
 
 def warm_up(cfg: Config) -> None:
@@ -163,51 +174,21 @@ def _prepare(run_dir: str) -> _Prepared:
 
 def spare_template() -> Callable[[], None]:
     """For `restart.template`: import and warm up once; each spare forked from here runs the returned function."""
-    prepared = _prepare(os.environ[f"{ENV_PREFIX}RUN_DIR"])
+    prepared = _prepare(os.environ[RUN_DIR_ENV])
     warm_up(prepared.cfg)
     prepared.warm = True
     return lambda: run(prepared)
 
 
 def run(prepared: _Prepared | None = None) -> None:
-    environ = os.environ
-    host, port = environ[f"{ENV_PREFIX}STORE_HOST"], int(environ[f"{ENV_PREFIX}STORE_PORT"])
-    run_dir = environ[f"{ENV_PREFIX}RUN_DIR"]
-    prepared = prepared or _prepare(run_dir)
-    cfg, tokens = prepared.cfg, prepared.tokens
-    store = connect_store(host, port, cfg.launcher.start_timeout_s)
-    join = JoinSpec()
-    if SPARE_ID_ENV in environ:
-        spare_id = int(environ[SPARE_ID_ENV])
-        if not prepared.warm:  # started without the template
-            warm_up_at_idle_priority(lambda: warm_up(cfg))
-        store.set(spare_ready_key(spare_id), "1")
-        assignment = wait_for_assignment(store, spare_id)
-        rank, world = assignment["rank"], int(environ["WORLD_SIZE"])
-        env = WorkerEnv(rank, world, rank, host, port, run_dir)
-        join = JoinSpec("replacement", assignment["generation"])
-    else:
-        env = WorkerEnv.from_environ()
-        if f"{ENV_PREFIX}JOIN_GENERATION" in environ:
-            join = JoinSpec("replacement", int(environ[f"{ENV_PREFIX}JOIN_GENERATION"]))
-    session = build_session(cfg, env, store)
-    if join.kind == "replacement":
-        # Anything this rank does before the join belongs to the generation it joins, not to generation 0.
-        session.membership.generation = join.generation - 1
-    elif f"{ENV_PREFIX}RESTART_GENERATION" in environ:
-        # A whole-job restart (launcher.on_failure=restart_all): every rank reloads the newest checkpoint.
-        generation = int(environ[f"{ENV_PREFIX}RESTART_GENERATION"])
-        step = session.checkpoints.latest(cfg.trainer.max_steps) if session.checkpoints is not None else 0
-        session.membership.generation = generation
-        join = JoinSpec("checkpoint", generation, step)
-    while True:
-        trainer, module, loader = build_trainer(cfg, session, tokens, join)
-        try:
-            trainer.fit(module, train_dataloaders=loader)
-            return
-        except RestartFromCheckpoint as restart:
-            print(f"[rank {env.rank}] {restart}", flush=True)
-            join = JoinSpec("checkpoint", restart.generation, restart.decision.step)
+    """A rank, or a hot spare (it builds everything, then waits inside `fit` for the rank it replaces). A fallback
+    to the persistent checkpoint enters `fit` again in this process (the strategy's launcher does it)."""
+    prepared = prepared or _prepare(os.environ[RUN_DIR_ENV])
+    cfg = prepared.cfg
+    if SPARE_ID_ENV in os.environ and not prepared.warm:  # a spare started without the template
+        warm_up_at_idle_priority(lambda: warm_up(cfg))
+    trainer, module, data = build_trainer(cfg, prepared.tokens)
+    trainer.fit(module, datamodule=data)
 
 
 def main() -> NoReturn:
