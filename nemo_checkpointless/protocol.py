@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 ENV_PREFIX = "NCL_"
@@ -33,7 +34,37 @@ NUM_INSTANCES_ENV = f"{ENV_PREFIX}NUM_INSTANCES"
 CACHE_ROOT_ENV = f"{ENV_PREFIX}CACHE_ROOT"  # where the job's shared-memory batch cache lives (default /dev/shm)
 FAULT_PLAN_ENV = f"{ENV_PREFIX}FAULT_PLAN"  # JSON list of {kind, rank, step}: test and benchmark faults
 
+# ------------------------------------------------------------------------------------------------ store keys
 TRAIN_START_KEY = "job/train_start"  # set by rank 0 when it starts its first training step
+GENERATION_KEY = "job/generation"  # the launcher's current generation (set when it publishes one)
+FAULT_KEY = "job/fault_generation"  # the generation the launcher declared failed most recently
+STEP_TIMES_KEY = "job/step_times"  # rank 0 appends "<step> <unix time>;" as each step completes
+JOB_ID_KEY = "job/data_cache_id"  # the job id that names the shared-memory batch cache
+
+
+def generation_info_key(generation: int) -> str:
+    """The launcher's `GenerationInfo` of `generation`, as JSON."""
+    return f"job/gen/{generation}"
+
+
+def record_key(generation: int, rank: int) -> str:
+    """A rank's record of the recovery that moved it to `generation` (and `/first_step`, `/caught_up` stamps)."""
+    return f"job/recovery/{generation}/{rank}"
+
+
+def hang_key(generation: int) -> str:
+    """Set by a rank whose collective of `generation` timed out: asks the launcher to find the hung rank."""
+    return f"job/hang/{generation}"
+
+
+def alive_key(generation: int, rank: int) -> str:
+    """Set by every rank that reaches recovery from `generation`: the ranks that never set it are the hung ones."""
+    return f"job/alive/{generation}/{rank}"
+
+
+def injected_key(index: int) -> str:
+    """Set by the rank that fires fault `index` of the fault plan (JSON: t, kind, rank, step)."""
+    return f"job/fault/{index}/injected"
 
 
 def training_key(pid: int) -> str:
@@ -48,11 +79,47 @@ def checkpointless_key(pid: int) -> str:
 
 
 def spare_assign_key(spare_id: int) -> str:
+    """The launcher's `Assignment` of spare `spare_id`, as JSON."""
     return f"job/spare/{spare_id}/assign"
 
 
 def spare_ready_key(spare_id: int) -> str:
     return f"job/spare/{spare_id}/ready"
+
+
+# --------------------------------------------------------------------------------------------------- records
+@dataclass(frozen=True)
+class Assignment:
+    """What the launcher tells a hot spare: the rank it becomes and the generation it joins."""
+
+    rank: int
+    generation: int
+
+    def to_json(self) -> str:
+        return json.dumps({"rank": self.rank, "generation": self.generation})
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Assignment:
+        data = json.loads(raw)
+        return cls(int(data["rank"]), int(data["generation"]))
+
+
+@dataclass(frozen=True)
+class GenerationInfo:
+    """What the launcher publishes with a generation: the ranks it replaced, when the fault was seen, and the step
+    the fault interrupted when it knows it (ranks stamp when they are back there)."""
+
+    failed: list[int]
+    fault_t: float
+    target_step: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"failed": self.failed, "fault_t": self.fault_t, "target_step": self.target_step})
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> GenerationInfo:
+        data = json.loads(raw)
+        return cls(list(data["failed"]), float(data["fault_t"]), data.get("target_step"))
 
 
 _TRAINING: list[int] = []  # this process's pid once it has said that it trains
@@ -69,14 +136,16 @@ def mark_process_training(store: Any) -> bool:
 
 
 def wait_for_assignment(store: Any, spare_id: int) -> dict[str, int]:
-    """A spare's wait for the launcher to hand it a rank: {"rank": r, "generation": g}. A spare whose launcher is
-    gone (it was re-parented, or the store stopped answering) exits instead of waiting for ever."""
+    """A spare's wait for the launcher to hand it a rank: {"rank": r, "generation": g} (an `Assignment`). A spare
+    whose launcher is gone (it was re-parented, or the store stopped answering) exits instead of waiting for
+    ever."""
     key = spare_assign_key(spare_id)
     launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
     while True:
         try:
             store.wait([key], datetime.timedelta(seconds=60))  # blocks in the store server: no polling load
-            return dict(json.loads(store.get(key)))
+            assignment = Assignment.from_json(store.get(key))
+            return {"rank": assignment.rank, "generation": assignment.generation}
         except RuntimeError as e:  # a timeout (a spare may wait for hours), or the store is gone
             if (launcher and os.getppid() != launcher) or "timeout" not in str(e).lower():
                 raise SystemExit(f"spare {spare_id}: the launcher is gone ({e}); exiting") from None

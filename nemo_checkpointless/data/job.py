@@ -15,10 +15,11 @@ from collections.abc import Callable
 import torch
 
 from nemo_checkpointless.config import Config
-from nemo_checkpointless.data.cache import JOB_ID_KEY, BatchCache, data_version
+from nemo_checkpointless.data.cache import BatchCache, data_version
 from nemo_checkpointless.data.indexed import IndexedTokens
 from nemo_checkpointless.data.loader import MmapBatchLoader
 from nemo_checkpointless.data.sampling import PLAN_VERSION, GlobalBatchPlan, TokenSequences
+from nemo_checkpointless.protocol import JOB_ID_KEY
 from nemo_checkpointless.topology import ParallelDims, rank_info
 
 

@@ -25,21 +25,27 @@ import torch.distributed as dist
 
 from nemo_checkpointless import protocol
 from nemo_checkpointless.config import Config
-from nemo_checkpointless.data.cache import JOB_ID_KEY, new_job_id, remove_job_cache
+from nemo_checkpointless.data.cache import new_job_id, remove_job_cache
 from nemo_checkpointless.launcher.spares import ForkedSpare, SpareFactory, become_child_subreaper
 from nemo_checkpointless.protocol import (
     ENV_PREFIX,
+    FAULT_KEY,
+    GENERATION_KEY,
+    JOB_ID_KEY,
     LAUNCHER_PID_ENV,
     SPARE_ID_ENV,
+    STEP_TIMES_KEY,
     TRAIN_START_KEY,
+    alive_key,
+    generation_info_key,
+    hang_key,
+    injected_key,
+    record_key,
     spare_assign_key,
     spare_ready_key,
     training_key,
 )
 from nemo_checkpointless.restart.cost import RATE_WINDOW, StepTimes, fault_costs
-from nemo_checkpointless.restart.faults import injected_key
-from nemo_checkpointless.restart.groups import FAULT_KEY, alive_key, hang_key
-from nemo_checkpointless.restart.recovery import GENERATION_KEY, STEP_TIMES_KEY, generation_info_key, record_key
 from nemo_checkpointless.restart.template import SPARE_REFILL_ENV
 from nemo_checkpointless.restart.worker_env import WorkerEnv
 
@@ -270,7 +276,7 @@ class _Job:
                 spare_id = live[0]
                 how[rank] = "warm spare" if self.store.check([spare_ready_key(spare_id)]) else "starting spare"
                 proc = self.spares.pop(spare_id)
-                self.store.set(spare_assign_key(spare_id), json.dumps({"rank": rank, "generation": self.generation}))
+                self.store.set(spare_assign_key(spare_id), protocol.Assignment(rank, self.generation).to_json())
                 self.ranks[rank] = proc
                 self.pids.setdefault(rank, []).append(proc)
                 self.refill += 1
@@ -290,7 +296,7 @@ class _Job:
                             "target_step": target, "restart_all": restart_all,
                             "replacement": {str(r): how.get(r, "whole-job restart") for r in failed}})
         self.store.set(generation_info_key(self.generation),
-                       json.dumps({"failed": failed, "fault_t": fault_t, "target_step": target}))
+                       protocol.GenerationInfo(failed, fault_t, target).to_json())
         self.store.set(GENERATION_KEY, str(self.generation))
 
     def watch_hangs(self, codes: dict[int, int | None]) -> None:

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from nemo_checkpointless.data.cache import JOB_ID_KEY, BatchCache, data_version
+from nemo_checkpointless.data.cache import BatchCache, data_version
 from nemo_checkpointless.data.loader import MmapBatchLoader
+from nemo_checkpointless.protocol import JOB_ID_KEY
 
 __all__ = ["CachedTrainLoader", "MmapDataModule"]
 

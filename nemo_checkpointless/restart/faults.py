@@ -11,13 +11,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from nemo_checkpointless.protocol import injected_key
+
 
 class InjectedFault(RuntimeError):
     """The `exception` fault of a fault plan."""
 
 
-def injected_key(index: int) -> str:
-    return f"job/fault/{index}/injected"
+
+__all__ = ["InjectedFault", "fire_faults", "injected_key"]
 
 
 def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: Callable[[], None]) -> None:

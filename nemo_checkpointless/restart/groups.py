@@ -36,7 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-FAULT_KEY = "job/fault_generation"
+from nemo_checkpointless.protocol import FAULT_KEY, alive_key, hang_key
+
+__all__ = ["FAULT_KEY", "CollectiveTimeout", "Group", "Membership", "PeerFailure", "alive_key", "hang_key"]
+
 POLL_S = 0.005
 
 
@@ -47,15 +50,6 @@ class PeerFailure(RuntimeError):
 class CollectiveTimeout(PeerFailure):
     """A collective made no progress within the timeout and nobody reported a death: some rank hangs."""
 
-
-def hang_key(generation: int) -> str:
-    """Set by a rank whose collective of `generation` timed out: asks the launcher to find the hung rank."""
-    return f"job/hang/{generation}"
-
-
-def alive_key(generation: int, rank: int) -> str:
-    """Set by every rank that reaches recovery from `generation`: the ranks that never set it are the hung ones."""
-    return f"job/alive/{generation}/{rank}"
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:

@@ -31,6 +31,13 @@ import torch
 import torch.distributed as dist
 
 from nemo_checkpointless.errors import RecoveryError
+from nemo_checkpointless.protocol import (
+    GENERATION_KEY,
+    STEP_TIMES_KEY,
+    GenerationInfo,
+    generation_info_key,
+    record_key,
+)
 from nemo_checkpointless.restart.groups import CollectiveTimeout, Membership, PeerFailure, alive_key, hang_key
 from nemo_checkpointless.state.checkpoint import CheckpointStore
 from nemo_checkpointless.state.packing import PackError, checksum, pack, unpack
@@ -38,20 +45,9 @@ from nemo_checkpointless.topology import ParallelDims, plan_recovery, rank_info
 
 log = logging.getLogger(__name__)
 
-GENERATION_KEY = "job/generation"
+
 SURVIVOR, REPLACEMENT = 0, 1
 _REPORT = 5  # role, completed steps, phase, steps in the data digest (= completed steps), data digest prefix
-
-
-def generation_info_key(generation: int) -> str:
-    return f"job/gen/{generation}"
-
-
-def record_key(generation: int, rank: int) -> str:
-    return f"job/recovery/{generation}/{rank}"
-
-
-STEP_TIMES_KEY = "job/step_times"  # rank 0 appends "<step> <unix time>;" as each step completes
 
 
 class RecoveryStamps:
@@ -83,7 +79,7 @@ class RecoveryStamps:
             if not self.pending[generation]:
                 self.store.set(key + "/first_step", entry)
                 self.pending[generation] = True
-            target = json.loads(self.store.get(generation_info_key(generation))).get("target_step")
+            target = GenerationInfo.from_json(self.store.get(generation_info_key(generation))).target_step
             if target is None or completed_steps >= target:
                 self.store.set(key + "/caught_up", entry)
                 del self.pending[generation]
