@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nemo_checkpointless.launcher.procs import rank_pids
+
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "scripts" / "bench_user_job.py"
 WORLD = 4
@@ -54,25 +56,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def rank_pids(run_dir: Path) -> dict[int, int]:
-    """rank -> pid of this run's live training ranks (from /proc/<pid>/environ: RUN_DIR and RANK; no spares)."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            raw = (entry / "environ").read_bytes().decode().split("\0")
-            environ = dict(kv.split("=", 1) for kv in raw if "=" in kv)
-            if environ.get("RUN_DIR") != str(run_dir) or "RANK" not in environ or "NCL_SPARE_ID" in environ:
-                continue
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-        except (OSError, ValueError, UnicodeDecodeError):
-            continue
-        out[int(environ["RANK"])] = int(entry.name)
-    return out
 
 
 def progress(run_dir: Path) -> list[int]:
@@ -98,7 +81,7 @@ class Killer(threading.Thread):
         deadline = time.monotonic() + self.deadline_s
         while not self.stop.is_set() and time.monotonic() < deadline:
             if min(progress(self.run_dir)) >= self.at_step:
-                pid = rank_pids(self.run_dir).get(KILL_RANK)
+                pid = rank_pids(self.run_dir, run_dir_var="RUN_DIR").get(KILL_RANK)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     t_kill, wall_t = time.perf_counter(), time.time()

@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from nemo_checkpointless.launcher.procs import job_pids, rank_pids
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,36 +63,6 @@ def _run(run_dir: Path, *args: str, script_args: tuple[str, ...] = ()) -> dict[s
     return _finish(_launch(run_dir, *args, script_args=script_args), run_dir)
 
 
-def _pids_of(run_dir: Path) -> dict[int, int]:
-    """rank -> pid of the processes of this job that have a rank (from /proc: their environment)."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            raw = (entry / "environ").read_bytes().decode().split("\0")
-            environ = dict(kv.split("=", 1) for kv in raw if "=" in kv)
-        except (OSError, ValueError, UnicodeDecodeError):
-            continue
-        if environ.get("NCL_RUN_DIR") == str(run_dir) and "RANK" in environ and "NCL_SPARE_ID" not in environ:
-            out[int(environ["RANK"])] = int(entry.name)
-    return out
-
-
-def _job_processes(run_dir: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if f"NCL_RUN_DIR={run_dir}\0".encode() in (entry / "environ").read_bytes():
-                    stat = (entry / "stat").read_text()
-                    if stat.rsplit(")", 1)[1].split()[0] != "Z":
-                        found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 def _progress(run_dir: Path) -> int:
     steps = []
     for p in run_dir.glob("progress_rank*.txt"):
@@ -108,7 +80,7 @@ def _kill_when(run_dir: Path, rank: int, sig: int, at_step: int | None, done: li
     def body() -> None:
         deadline = time.monotonic() + TIMEOUT_S
         while time.monotonic() < deadline:
-            pid = _pids_of(run_dir).get(rank)
+            pid = rank_pids(run_dir).get(rank)
             if pid is not None and (at_step is None or _progress(run_dir) >= at_step):
                 os.kill(pid, sig)
                 done.append(f"{signal.Signals(sig).name} rank {rank} pid {pid} at step {_progress(run_dir)}")
@@ -245,12 +217,12 @@ def test_bad_input_gets_one_clear_message_and_leaves_nothing_running(tmp_path: P
     code, out = _error("--nproc-per-node", "4", "--spares", "1", "--run-dir", str(run_dir),
                        script=ROOT / "tests" / "scripts" / "exits_3.py")
     assert code == 3 and "failed before training (exit code 3)" in out, out
-    assert _job_processes(run_dir) == []
+    assert job_pids(run_dir) == []
     # Trainer(devices=8) under 4 processes: the world check, from the rank's log.
     run_dir = tmp_path / "devices"
     code, out = _error("--nproc-per-node", "4", "--run-dir", str(run_dir), script_args=("--devices", "8"))
     assert code == 1 and "describes 8 processes; the launcher started 4" in out, out[-3000:]
-    assert _job_processes(run_dir) == []
+    assert job_pids(run_dir) == []
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
@@ -260,13 +232,13 @@ def test_no_rank_or_spare_outlives_the_launcher(tmp_path: Path) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while _progress(run_dir) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(_job_processes(run_dir)) >= 5  # 4 ranks and the spare
+    assert len(job_pids(run_dir)) >= 5  # 4 ranks and the spare
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 20
-    while _job_processes(run_dir) and time.monotonic() < deadline:
+    while job_pids(run_dir) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _job_processes(run_dir) == []
+    assert job_pids(run_dir) == []
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
@@ -283,7 +255,7 @@ def test_an_unchanged_ddp_script_gets_the_launchers_store_and_a_whole_restart(tm
     progress = run_dir / "ddp_progress.txt"
     while time.monotonic() < deadline and not (progress.exists() and int(progress.read_text() or 0) >= 12):
         time.sleep(0.01)
-    os.kill(_pids_of(run_dir)[1], signal.SIGKILL)
+    os.kill(rank_pids(run_dir)[1], signal.SIGKILL)
     out, _ = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
     final = json.loads((run_dir / "ddp_final.json").read_text())
@@ -307,7 +279,7 @@ def test_a_second_death_during_the_recovery_is_recovered_too(reference_loader: d
     def second() -> None:
         deadline = time.monotonic() + TIMEOUT_S
         while time.monotonic() < deadline:
-            pids = _pids_of(run_dir)
+            pids = rank_pids(run_dir)
             if 1 in pids and 2 in pids:
                 first.setdefault(1, pids[1])
                 if pids[1] != first[1]:  # rank 1's replacement is starting: the survivors are recovering

@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from nemo_checkpointless.cli import importable
 from nemo_checkpointless.errors import ConfigError
 
 PROG = "checkpointless-run"
@@ -98,13 +99,7 @@ def _command(args: argparse.Namespace) -> list[str]:
             raise ConfigError("training_script", script, "is not a program on PATH or a file", "check the name")
         return [script, *rest]
     if args.module:
-        import importlib.util
-
-        try:
-            found = importlib.util.find_spec(script) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
+        if not importable(script):
             raise ConfigError("-m", script, "is not an importable module here", "check the name and PYTHONPATH")
         return [sys.executable, "-u", "-m", script, *rest]
     if not os.path.isfile(script):

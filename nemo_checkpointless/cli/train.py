@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nemo_checkpointless.cli import importable
 from nemo_checkpointless.config import Config, save_run_config
 from nemo_checkpointless.errors import ConfigError
 
@@ -60,14 +61,8 @@ def check_engine(cfg: Config) -> None:
     """engine=nemo: NeMo 2 must be installed, the job must fit this machine (the local launcher), and on CPU
     megatron-core's CUDA-only calls must be patched by a `launcher.preload` module (the package ships none; the
     test suite's `tests/nemo_shim.py` is one)."""
-    import importlib.util
-
     for i, name in enumerate(cfg.launcher.preload):
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
+        if not importable(name):
             raise ConfigError(f"launcher.preload[{i}]", name, "is not an importable module here",
                               "put its directory on PYTHONPATH (e.g. PYTHONPATH=tests for nemo_shim)")
     if cfg.engine != "nemo":
@@ -84,7 +79,7 @@ def check_engine(cfg: Config) -> None:
         if have < t.devices:
             raise ConfigError("trainer.devices", t.devices, f"needs {t.devices} CUDA GPUs, this machine has {have}",
                               "use a GPU machine, or recipe=tiny_llama_nemo on CPU (docs/getting_started.md)")
-    if importlib.util.find_spec("nemo") is None:
+    if not importable("nemo"):
         raise ConfigError("engine", "nemo", f"recipe={recipe} runs on NeMo 2, which is not installed here",
                           "pip install -e '.[nemo]' (nemo_toolkit 2.7.x; docs/getting_started.md)")
     if t.accelerator == "cpu" and not cfg.launcher.preload:

@@ -23,6 +23,11 @@ from nemo_checkpointless.protocol import JOB_ID_KEY
 from nemo_checkpointless.topology import ParallelDims, rank_info
 
 
+def job_id_fallback(run_dir: str, store_port: int) -> str:
+    """The cache's job id when the launcher published none: from the run dir and the store's port."""
+    return hashlib.sha256(f"{run_dir}:{store_port}".encode()).hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=4)
 def content_id(path: str) -> str:
     return IndexedTokens(path).content_id()
@@ -33,8 +38,7 @@ def job_loader(cfg: Config, store: torch.distributed.Store, *, rank: int, dims: 
                start_step: int | Callable[[], int] = 0, name: str = "") -> MmapBatchLoader:
     """This rank's `MmapBatchLoader` over the job's cache (`data.loader=mmap`)."""
     # The launcher names the job (and removes its cache at the end); without one, the run dir + store port do.
-    job_id = (store.get(JOB_ID_KEY).decode() if store.check([JOB_ID_KEY]) else
-              hashlib.sha256(f"{run_dir}:{store_port}".encode()).hexdigest()[:16])
+    job_id = store.get(JOB_ID_KEY).decode() if store.check([JOB_ID_KEY]) else job_id_fallback(run_dir, store_port)
     assert cfg.data.path is not None, "the launcher resolves data.path before starting workers"
     version = data_version(content=content_id(cfg.data.path), seq_len=cfg.data.seq_len,
                            micro_batch_size=plan.micro_batch_size, dp_size=plan.dp_size, seed=plan.seed,

@@ -123,7 +123,7 @@ class _Job:
     run_id: str = ""
     # MASTER_PORT's store: the job's store for the first attempt; a fresh one for each whole restart (as
     # torchelastic does: `init_process_group` through the agent's store adds no per-attempt prefix).
-    rdzv_stores: list[tuple[dist.TCPStore, int]] = field(default_factory=list)
+    rdzv_store: tuple[dist.TCPStore, int] | None = None
     ranks: dict[int, _Proc] = field(default_factory=dict)
     spares: dict[int, _Proc] = field(default_factory=dict)
     pids: dict[int, list[_Proc]] = field(default_factory=dict)  # every process that was rank r, in order
@@ -170,14 +170,14 @@ class _Job:
             env.update(self.torchrun_env(rank))
         return env
 
-    def torchrun_env(self, rank: int | None) -> dict[str, str]:
+    def torchrun_env(self, rank: int) -> dict[str, str]:
         """What torchrun sets for a worker (one node), plus the job's settings for `CheckpointlessStrategy`. The
         store is the launcher's: `TORCHELASTIC_USE_AGENT_STORE` makes `init_process_group` a client of it on
         every rank (rank 0 does not host one)."""
         world, launcher = self.cfg.trainer.world_size, self.cfg.launcher
         env = {"LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
                "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": launcher.host,
-               "MASTER_PORT": str(self.rdzv_stores[-1][1] if self.rdzv_stores else self.port),
+               "MASTER_PORT": str(self.rdzv_store[1] if self.rdzv_store else self.port),
                "TORCHELASTIC_RUN_ID": self.run_id, "TORCHELASTIC_RESTART_COUNT": str(self.generation),
                "TORCHELASTIC_MAX_RESTARTS": str(launcher.max_restarts), "TORCHELASTIC_USE_AGENT_STORE": "True",
                protocol.COLLECTIVE_TIMEOUT_ENV: str(launcher.collective_timeout_s),
@@ -191,9 +191,8 @@ class _Job:
             env[protocol.NUM_INSTANCES_ENV] = str(self.cfg.replication.num_instances)
         if self.cfg.fault.plan:
             env[protocol.FAULT_PLAN_ENV] = json.dumps([vars(f) for f in self.cfg.fault.plan])
-        if rank is not None:
-            error_file = self.run_dir / "logs" / f"error_rank{rank}.{len(self.pids.get(rank, []))}.json"
-            env.update(ROLE_RANK=str(rank), TORCHELASTIC_ERROR_FILE=str(error_file))
+        error_file = self.run_dir / "logs" / f"error_rank{rank}.{len(self.pids.get(rank, []))}.json"
+        env.update(ROLE_RANK=str(rank), TORCHELASTIC_ERROR_FILE=str(error_file))
         return env
 
     def start_rank(self, rank: int, join_generation: int = 0, restart: bool = False) -> None:
@@ -260,7 +259,7 @@ class _Job:
                 self.refill += len(self.spares)  # a user's script keeps its spares once the restart is done
             self.spares.clear()
             if self.command is not None:
-                self.rdzv_stores.append(host_store(self.cfg.launcher.host, self.cfg.launcher.start_timeout_s))
+                self.rdzv_store = host_store(self.cfg.launcher.host, self.cfg.launcher.start_timeout_s)
         how: dict[int, str] = {}
         for rank in list(self.ranks) if restart_all else failed:
             dead = self.ranks.pop(rank)

@@ -13,7 +13,6 @@ not used); randomness in `Dataset.__getitem__` must come from the index.
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -175,7 +174,3 @@ class MmapDataModule(pl.LightningDataModule):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.datamodule.load_state_dict(state_dict)
-
-
-def job_id_fallback(run_dir: str, store_port: int) -> str:
-    return hashlib.sha256(f"{run_dir}:{store_port}".encode()).hexdigest()[:16]

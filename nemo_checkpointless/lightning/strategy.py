@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import logging
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -51,8 +50,6 @@ from nemo_checkpointless.state.checkpoint import CheckpointStore
 from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
 from nemo_checkpointless.state.rng import capture_rng, restore_rng
 from nemo_checkpointless.topology import ParallelDims, rank_info
-
-log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 
@@ -200,7 +197,6 @@ class CheckpointlessStrategy(ParallelStrategy):
         verify_checksum: check the sha256 of every state a replacement receives (a mismatch: checkpoint fallback).
         cache_batches: serve the train loader's batches through the job's shared-memory cache (tier 2; what
             `MmapDataModule(your_datamodule)` sets), so a replacement's first batch is ready at once.
-        session, join: set by the package's own worker (which builds its groups itself); users leave them out.
     """
 
     strategy_name = "checkpointless"
@@ -208,10 +204,9 @@ class CheckpointlessStrategy(ParallelStrategy):
     def __init__(self, num_instances: int | None = None, grad_clip: float | None = None, *,
                  checkpoint_every_n_steps: int | None = None, checkpoint_dir: str | None = None,
                  collective_timeout_s: float | None = None, cache_batches: bool = False,
-                 verify_checksum: bool = True, session: Session | None = None,
-                 join: JoinSpec | None = None) -> None:
+                 verify_checksum: bool = True) -> None:
         super().__init__(cluster_environment=LightningEnvironment())
-        self._session = session
+        self._session: Session | None = None  # built when fit starts (`ensure_session`)
         self._num_instances_arg = num_instances
         self.num_instances = num_instances or 1
         self._grad_clip_arg = grad_clip
@@ -220,7 +215,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._checkpoint_dir_arg = checkpoint_dir
         self._collective_timeout_arg = collective_timeout_s
         self._verify_checksum = verify_checksum
-        self.join = join or JoinSpec()
+        self.join = JoinSpec()
         self._num_nodes = 1
         self.sharded: ShardedOptimizer | None = None
         self.data_digest = DataDigest()
@@ -238,7 +233,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self.cache_prefetch, self.cache_lookback = 16, 4
         self._cached: Any = None  # the CachedTrainLoader of the current fit
         env = os.environ
-        if protocol.SPARE_ID_ENV in env and session is None:
+        if protocol.SPARE_ID_ENV in env:
             _set_rank_zero(-1)  # a spare says nothing as "rank 0" before it has a rank
         elif "RANK" in env:
             self.cluster_environment.set_global_rank(int(env["RANK"]))  # type: ignore[union-attr]
@@ -274,8 +269,7 @@ class CheckpointlessStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        # The package's own worker passes its session and runs its own loop around `fit`.
-        self._launcher = _InProcessLauncher(self) if self._session is None else None
+        self._launcher = _InProcessLauncher(self)
 
     # ------------------------------------------------------------------------------------------ environment
     def ensure_session(self) -> None:
@@ -292,7 +286,8 @@ class CheckpointlessStrategy(ParallelStrategy):
         host, port = environ[protocol.STORE_HOST_ENV], int(environ[protocol.STORE_PORT_ENV])
         run_dir = environ.get(protocol.RUN_DIR_ENV, os.getcwd())
         world = int(environ["WORLD_SIZE"])
-        store = connect_store(host, port, _env_number(protocol.START_TIMEOUT_ENV, 120.0))
+        start_timeout = _env_number(protocol.START_TIMEOUT_ENV, 120.0)
+        store = connect_store(host, port, start_timeout)
         join = self.join
         if protocol.SPARE_ID_ENV in environ:
             spare_id = int(environ[protocol.SPARE_ID_ENV])
@@ -324,7 +319,7 @@ class CheckpointlessStrategy(ParallelStrategy):
                                        every, ckpt_dir, verify_checksum=self._verify_checksum)
         # A cold replacement runs the whole script before it reaches the recovery: the others wait for it to
         # arrive for as long as a rank may take to start, not one collective timeout.
-        self._session.membership.arrive_timeout_s = max(timeout, _env_number(protocol.START_TIMEOUT_ENV, 120.0))
+        self._session.membership.arrive_timeout_s = max(timeout, start_timeout)
         if join.kind == "replacement":
             # Anything this rank does before the join belongs to the generation it joins, not to generation 0.
             self._session.membership.generation = join.generation - 1
@@ -341,9 +336,8 @@ class CheckpointlessStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         self.ensure_session()
         env = self.session.env
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and self._launcher is not None:  # a user's Trainer (not the package's worker)
-            self._check_world(trainer)
+        if self.lightning_module is not None:
+            self._check_world(self.lightning_module.trainer)
         assert isinstance(self.cluster_environment, LightningEnvironment)
         self.cluster_environment.set_world_size(env.world_size)
         self.cluster_environment.set_global_rank(env.rank)
@@ -353,7 +347,7 @@ class CheckpointlessStrategy(ParallelStrategy):
     def _check_world(self, trainer: pl.Trainer) -> None:
         """`Trainer(devices=K, num_nodes=M)` as a DDP user writes it must describe the launcher's world."""
         flag = trainer._accelerator_connector._devices_flag
-        if flag == "auto" or self._session is None or self.session.env.world_size == 1:
+        if flag == "auto" or self.session.env.world_size == 1:
             return
         devices = len(self.parallel_devices or [None])
         world = self.session.env.world_size
@@ -451,7 +445,8 @@ class CheckpointlessStrategy(ParallelStrategy):
         return dataloader
 
     def _cached_loader(self, trainer: pl.Trainer, dataloader: DataLoader) -> Any:
-        from nemo_checkpointless.lightning.data import CachedTrainLoader, job_id_fallback
+        from nemo_checkpointless.data.job import job_id_fallback
+        from nemo_checkpointless.lightning.data import CachedTrainLoader
 
         if self._cached is not None:
             self._cached.close()

@@ -132,9 +132,7 @@ def build_trainer(cfg: Config, tokens: object) -> tuple[pl.Trainer, LlamaLightni
         checkpoint_every_n_steps=cfg.checkpoint.every_n_steps, checkpoint_dir=cfg.checkpoint.dir,
         collective_timeout_s=cfg.launcher.collective_timeout_s, verify_checksum=cfg.replication.checksum)
     run_dir = os.environ[RUN_DIR_ENV]
-    callbacks: list[pl.Callback] = [CheckpointlessCallback(run_dir, cfg.fault.plan)]
-    if cfg.data.loader != "plain" or cfg.data.verify:
-        callbacks.insert(0, _DataOrderCheck(data))
+    callbacks: list[pl.Callback] = [_DataOrderCheck(data), CheckpointlessCallback(run_dir, cfg.fault.plan)]
     trainer = pl.Trainer(
         accelerator="cpu", devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes, strategy=strategy,
         max_steps=cfg.trainer.max_steps, callbacks=callbacks,
