@@ -10,16 +10,11 @@ takes one, a cold start the other), then ranks 0, 1 and 2 in turn. Spares are fo
 from __future__ import annotations
 
 import csv
-import json
-import os
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from procwatch import train, window
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -33,95 +28,11 @@ COMMON = [f"trainer.max_steps={STEPS}", "trainer.progress_bar=false", "checkpoin
 # dead rank's neighbour use ~2.4x); resident memory within 64 MB (a state transfer here is ~0.5 MB).
 CPU_PER_STEP_FACTOR = 1.3
 RSS_SLACK_KB = 64 * 1024
-SAMPLE_S = 0.05
-
-
-def _descendants(pid: int) -> set[int]:
-    out: set[int] = set()
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            for k in kids:
-                if k not in out:
-                    out.add(k)
-                    todo.append(k)
-    return out
-
-
-def _sample(pid: int) -> dict[str, float] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        threads = len(os.listdir(f"/proc/{pid}/task"))
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return None
-    if fields[0] == "Z":
-        return None
-    page_kb = os.sysconf("SC_PAGE_SIZE") // 1024
-    return {"t": time.time(), "threads": threads, "fds": fds, "cpu": int(fields[11]) + int(fields[12]),
-            "rss_kb": int(fields[21]) * page_kb}
-
-
-class _Sampler(threading.Thread):
-    """Samples every descendant of the launcher every SAMPLE_S seconds."""
-
-    def __init__(self, root: int) -> None:
-        super().__init__(name="proc-sampler", daemon=True)
-        self.root = root
-        self.samples: dict[int, list[dict[str, float]]] = {}
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            for pid in _descendants(self.root):
-                s = _sample(pid)
-                if s is not None:
-                    self.samples.setdefault(pid, []).append(s)
-            self.stop.wait(SAMPLE_S)
 
 
 def _run(workdir: Path, name: str, *overrides: str, sample: bool = False
          ) -> tuple[dict[str, Any], dict[int, list[dict[str, float]]]]:
-    run_dir = workdir / name
-    cmd = [sys.executable, "-m", "nemo_checkpointless.cli.train", *COMMON, f"data.cache_dir={workdir / 'data'}",
-           f"run.dir={run_dir}", *overrides]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    sampler = _Sampler(proc.pid)
-    if sample:
-        sampler.start()
-    try:
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        sampler.stop.set()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, out[-4000:]
-    return json.loads((run_dir / "summary.json").read_text()), sampler.samples
-
-
-def _at(samples: list[dict[str, float]], t: float) -> dict[str, float]:
-    return min(samples, key=lambda s: abs(s["t"] - t))
-
-
-def _window(samples: list[dict[str, float]], times: dict[int, float], end_step: int) -> dict[str, float]:
-    """The process's state at the end of the window before `end_step`, and its CPU ticks per step over it."""
-    lo, hi = end_step - WINDOW[0], end_step - WINDOW[1]
-    a, b = _at(samples, times[lo]), _at(samples, times[hi])
-    steps = sum(1 for t in times.values() if a["t"] < t <= b["t"])
-    assert steps >= 10 and b["t"] - a["t"] > 0.3, (lo, hi, a, b, steps)
-    return {**b, "cpu_per_step": (b["cpu"] - a["cpu"]) / steps}
+    return train(workdir / name, [*COMMON, f"data.cache_dir={workdir / 'data'}", *overrides], sample=sample)
 
 
 def test_many_recoveries_leave_threads_descriptors_cpu_and_memory_as_they_were(tmp_path: Path) -> None:
@@ -147,8 +58,8 @@ def test_many_recoveries_leave_threads_descriptors_cpu_and_memory_as_they_were(t
         survived = [s for s in fault_steps if s > started]
         if not survived:
             continue
-        before = _window(samples[pid], times, survived[0])
-        after = _window(samples[pid], times, STEPS)
+        before = window(samples[pid], times, survived[0], WINDOW)
+        after = window(samples[pid], times, STEPS, WINDOW)
         where = f"rank {rank} (pid {pid}, survived the faults at steps {survived}): before {before}, after {after}"
         assert after["threads"] == before["threads"], where
         assert after["fds"] == before["fds"], where
