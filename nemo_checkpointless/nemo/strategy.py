@@ -2,8 +2,8 @@
 and a `MegatronParticipant` kept at every step boundary. Importing this module imports NeMo (the [nemo] extra).
 
 What it adds to `MegatronStrategy`:
-- `num_distributed_optimizer_instances` is set from `replication.num_instances` (`num_instances=`), validated
-  against our topology before any process group exists (the same `ConfigError` as `checkpointless-plan`), and
+- `num_distributed_optimizer_instances` (or `num_instances=`, the same knob) is validated against our topology
+  before any process group exists (a `ConfigError` in NeMo's argument names), and
   Megatron's inter-instance groups are checked, once they exist, against `topology.rank_info(...).replica_peers`
   (the ranks our recovery plan copies a shard from);
 - a `MegatronParticipant` (`self.participant`) over the wrapped model and the distributed optimizer: its RNG
@@ -27,41 +27,46 @@ import time
 from typing import Any
 
 import torch
-from nemo.lightning import MegatronStrategy
-from typing_extensions import override
 
-from nemo_checkpointless.nemo.adapter import MegatronParticipant
-from nemo_checkpointless.state.checkpoint import CheckpointStore
-from nemo_checkpointless.topology import ParallelDims, rank_info
+from nemo_checkpointless.nemo.checks import check_versions, in_nemo_terms, installed_versions, replication_knob
+
+check_versions(*installed_versions())  # before NeMo's own imports: one message for an unsupported install
+
+from nemo.lightning import MegatronStrategy  # noqa: E402
+from typing_extensions import override  # noqa: E402
+
+from nemo_checkpointless.errors import ConfigError  # noqa: E402
+from nemo_checkpointless.nemo.adapter import MegatronParticipant  # noqa: E402
+from nemo_checkpointless.state.checkpoint import CheckpointStore  # noqa: E402
+from nemo_checkpointless.topology import ParallelDims, rank_info  # noqa: E402
 
 
 class CheckpointlessMegatronStrategy(MegatronStrategy):
     """`MegatronStrategy` with `num_instances` replicated optimizer instances and a recovery participant.
 
     Args:
-        num_instances: `replication.num_instances`; Megatron's `num_distributed_optimizer_instances`. Must divide
-            the data-parallel size (dp*cp) at the job's world size; checked when the world size is known.
+        num_instances: `replication.num_instances`; Megatron's `num_distributed_optimizer_instances`, which may be
+            passed under that name instead (one knob: both given must agree). Must divide the data-parallel size
+            (dp*cp) at the job's world size; checked when the world size is known, before any process group.
         global_batch_size: samples per step, recorded with the data position (0: unknown).
         pg_timeout_s: with `use_generation`, the gloo timeout of the default group and of megatron's groups (NeMo
             reads it from TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC, which this sets): the failure detector of last resort.
             Must exceed the longest collective wait of a healthy step.
-        **kwargs: `MegatronStrategy`'s arguments (`tensor_model_parallel_size`, `ddp`, ...), except
-            `num_distributed_optimizer_instances`, which this strategy owns.
+        **kwargs: `MegatronStrategy`'s arguments (`tensor_model_parallel_size`, `ddp`, ...).
     """
 
-    def __init__(self, *args: Any, num_instances: int = 1, global_batch_size: int = 0,
+    def __init__(self, *args: Any, num_instances: int | None = None,
+                 num_distributed_optimizer_instances: int | None = None, global_batch_size: int = 0,
                  pg_timeout_s: float | None = None, **kwargs: Any) -> None:
-        if "num_distributed_optimizer_instances" in kwargs:
-            raise TypeError("CheckpointlessMegatronStrategy sets num_distributed_optimizer_instances from "
-                            "num_instances (replication.num_instances); pass num_instances= instead")
-        if not isinstance(num_instances, int) or num_instances < 1:
-            raise ValueError(f"replication.num_instances={num_instances!r}: must be an integer >= 1")
+        self.instances_key, num_instances = replication_knob(num_instances, num_distributed_optimizer_instances)
         kwargs.setdefault("ddp", _distributed_optimizer_ddp())
         super().__init__(*args, num_distributed_optimizer_instances=num_instances, **kwargs)
         ddp = self.ddp_config
         if num_instances > 1 and not getattr(ddp, "use_distributed_optimizer", False):
-            raise ValueError(f"replication.num_instances={num_instances} needs Megatron's distributed optimizer: "
-                             "pass ddp=DistributedDataParallelConfig(use_distributed_optimizer=True, ...)")
+            raise ConfigError("ddp.use_distributed_optimizer", getattr(ddp, "use_distributed_optimizer", None),
+                              f"{self.instances_key}={num_instances} replicates the distributed optimizer's shards",
+                              "pass ddp=DistributedDataParallelConfig(use_distributed_optimizer=True, ...) or "
+                              "leave ddp= out (this strategy's default)")
         self.num_instances = num_instances
         self.global_batch_size = global_batch_size
         self.participant: MegatronParticipant | None = None
@@ -91,9 +96,12 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
 
     def job_dims(self) -> ParallelDims:
         """The job's layout in our topology's terms (raises `ConfigError` naming the key when it is invalid)."""
-        return ParallelDims(world_size=self.world_size, tp=self.tensor_model_parallel_size,
-                            cp=self.context_parallel_size, pp=self.pipeline_model_parallel_size,
-                            ep=self.expert_model_parallel_size, num_instances=self.num_instances)
+        try:
+            return ParallelDims(world_size=self.world_size, tp=self.tensor_model_parallel_size,
+                                cp=self.context_parallel_size, pp=self.pipeline_model_parallel_size,
+                                ep=self.expert_model_parallel_size, num_instances=self.num_instances)
+        except ConfigError as e:
+            raise in_nemo_terms(e, self.instances_key) from None
 
     @override
     def setup_environment(self) -> None:

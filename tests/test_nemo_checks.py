@@ -1,0 +1,99 @@
+"""The NeMo path's checks before anything starts (`nemo.checks`), each one clear message in a NeMo user's terms:
+an unsupported or missing NeMo / megatron-core, the replication knob under either name, and a layout that does
+not fit the world. No NeMo needed (the module imports neither), except for the last test: the strategy that
+applies them, under NeMo's own trainer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_checkpointless.errors import ConfigError
+from nemo_checkpointless.nemo.checks import check_versions, in_nemo_terms, installed_versions, replication_knob
+from nemo_checkpointless.topology import ParallelDims
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("nemo, megatron, key", [
+    ("2.6.1", "0.15.3", "nemo_toolkit"), ("3.0.0", "0.15.3", "nemo_toolkit"), (None, "0.15.3", "nemo_toolkit"),
+    ("2.7.3", "0.16.0", "megatron-core"), ("2.7.3", None, "megatron-core"), ("main", "0.15.3", "nemo_toolkit")])
+def test_unsupported_versions_name_the_package_the_version_and_the_install(nemo: str | None, megatron: str | None,
+                                                                           key: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        check_versions(nemo, megatron)
+    assert e.value.key == key and "pip install 'nemo-checkpointless[nemo]'" in str(e.value), str(e.value)
+    assert str(e.value).startswith(f"{key}=")
+
+
+def test_supported_versions_pass() -> None:
+    check_versions("2.7.3", "0.15.3")
+    check_versions("2.7.0rc1", "0.15.0")
+    assert len(installed_versions()) == 2
+
+
+def test_the_replication_knob_under_either_name() -> None:
+    assert replication_knob(None, None) == ("num_instances", 1)
+    assert replication_knob(2, None) == ("num_instances", 2)
+    assert replication_knob(None, 2) == ("num_distributed_optimizer_instances", 2)
+    assert replication_knob(2, 2) == ("num_instances", 2)
+    with pytest.raises(ConfigError, match=r"^num_distributed_optimizer_instances=3: is the same knob as "
+                                          r"num_instances=2, and they differ; pass only one of them$"):
+        replication_knob(2, 3)
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ConfigError, match=r"^num_distributed_optimizer_instances=.*must be an integer >= 1"):
+            replication_knob(None, bad)
+
+
+def _nemo_error(instances_key: str, **dims: int) -> str:
+    with pytest.raises(ConfigError) as e:
+        try:
+            ParallelDims(**dims)
+        except ConfigError as error:
+            raise in_nemo_terms(error, instances_key) from None
+    return str(e.value)
+
+
+def test_layout_errors_use_nemos_argument_names() -> None:
+    # num_distributed_optimizer_instances that does not divide DP x CP (world 8, tp 2: dp 4)
+    text = _nemo_error("num_distributed_optimizer_instances", world_size=8, tp=2, num_instances=3)
+    assert text.startswith("num_distributed_optimizer_instances=3: must divide the data-parallel size 4"), text
+    # with CP: DP x CP is the shard domain (world 8, cp 2: dp 4, dp*cp 8)
+    text = _nemo_error("num_instances", world_size=8, cp=2, num_instances=3)
+    assert text.startswith("num_instances=3: must divide the data-parallel size 8 (dp*cp = 4*2)"), text
+    # TP x PP x CP that does not divide the world
+    text = _nemo_error("num_instances", world_size=6, tp=4)
+    assert text.startswith("world size (trainer devices x num_nodes)=6: must be a multiple of tp*cp*pp = 4"), text
+    assert "tensor, context and pipeline parallel sizes" in text, text
+    text = _nemo_error("num_instances", world_size=4, pp=0)
+    assert text.startswith("pipeline_model_parallel_size=0: must be an integer >= 1"), text
+
+
+@pytest.mark.nemo
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_strategy_checks_before_any_process_group(tmp_path: Path) -> None:
+    """`CheckpointlessMegatronStrategy` under NeMo's own `nl.Trainer` (4 CPU devices), in a child process."""
+    cases = [{"num_distributed_optimizer_instances": 2}, {"num_instances": 2},
+             {"num_distributed_optimizer_instances": 3}, {"tensor_model_parallel_size": 3},
+             {"num_instances": 2, "num_distributed_optimizer_instances": 4}]
+    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    env.pop("PYTEST_CURRENT_TEST", None)
+    proc = subprocess.run([sys.executable, str(TESTS / "scripts" / "nemo_strategy_checks.py"),
+                           *(json.dumps(c) for c in cases)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240, check=False)
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and len(results) == len(cases), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert results[0] == results[1] == {"num_instances": 2, "megatron": 2, "dp": 4}
+    assert results[2] == {"error": "num_distributed_optimizer_instances=3: must divide the data-parallel size 4; "
+                                   "choose 1, 2 or 4"}
+    assert results[3]["error"].startswith("world size (trainer devices x num_nodes)=4: must be a multiple of "
+                                          "tp*cp*pp = 3"), results[3]
+    assert results[4] == {"error": "num_distributed_optimizer_instances=4: is the same knob as num_instances=2, "
+                                   "and they differ; pass only one of them"}
