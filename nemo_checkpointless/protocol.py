@@ -135,17 +135,15 @@ def mark_process_training(store: Any) -> bool:
     return True
 
 
-def wait_for_assignment(store: Any, spare_id: int) -> dict[str, int]:
-    """A spare's wait for the launcher to hand it a rank: {"rank": r, "generation": g} (an `Assignment`). A spare
-    whose launcher is gone (it was re-parented, or the store stopped answering) exits instead of waiting for
-    ever."""
+def wait_for_assignment(store: Any, spare_id: int) -> Assignment:
+    """A spare's wait for the launcher to hand it a rank (and the generation it joins). A spare whose launcher is
+    gone (it was re-parented, or the store stopped answering) exits instead of waiting for ever."""
     key = spare_assign_key(spare_id)
     launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
     while True:
         try:
             store.wait([key], datetime.timedelta(seconds=60))  # blocks in the store server: no polling load
-            assignment = Assignment.from_json(store.get(key))
-            return {"rank": assignment.rank, "generation": assignment.generation}
+            return Assignment.from_json(store.get(key))
         except RuntimeError as e:  # a timeout (a spare may wait for hours), or the store is gone
             if (launcher and os.getppid() != launcher) or "timeout" not in str(e).lower():
                 raise SystemExit(f"spare {spare_id}: the launcher is gone ({e}); exiting") from None

@@ -59,6 +59,17 @@ _BOOTSTRAP = f"import sys; sys.path.insert(0, {str(TESTS_DIR)!r}); import harnes
 T = TypeVar("T")
 
 
+def child_env(tests_on_path: bool = False) -> dict[str, str]:
+    """The environment for a job a test starts: one thread per rank, unbuffered output, none of pytest's
+    per-test variables; with `tests_on_path`, tests/ on PYTHONPATH (for `launcher.preload=[nemo_shim]`)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("PYTEST_CURRENT_TEST", None)
+    if tests_on_path:
+        tests = str(Path(__file__).resolve().parent)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+    return env
+
+
 def emit_key(rank: int, key: str) -> str:
     """The store key under which `rank` emits `key`."""
     return f"emit/{rank}/{key}"

@@ -9,13 +9,13 @@ without the [nemo] extra (tests/conftest.py).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import child_env
 
 pytestmark = [pytest.mark.nemo, pytest.mark.slow]
 
@@ -26,8 +26,7 @@ LAUNCH_TIMEOUT_S = 240
 
 def _launch(out: Path, mode: str) -> dict[int, dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("PYTEST_CURRENT_TEST", None)
+    env = child_env()
     proc = subprocess.run([sys.executable, str(SCRIPT), str(out), mode, str(STEPS)], env=env, cwd=SCRIPT.parent.parent,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=LAUNCH_TIMEOUT_S, check=False)
     log = proc.stdout.decode(errors="replace")

@@ -6,12 +6,12 @@ applies them, under NeMo's own trainer."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from harness import child_env
 
 from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.nemo.checks import check_versions, in_nemo_terms, installed_versions, replication_knob
@@ -82,9 +82,7 @@ def test_the_strategy_checks_before_any_process_group(tmp_path: Path) -> None:
     cases = [{"num_distributed_optimizer_instances": 2}, {"num_instances": 2},
              {"num_distributed_optimizer_instances": 3}, {"tensor_model_parallel_size": 3},
              {"num_instances": 2, "num_distributed_optimizer_instances": 4}]
-    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    env.pop("PYTEST_CURRENT_TEST", None)
+    env = child_env(tests_on_path=True)
     proc = subprocess.run([sys.executable, str(TESTS / "scripts" / "nemo_strategy_checks.py"),
                            *(json.dumps(c) for c in cases)], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=240, check=False)

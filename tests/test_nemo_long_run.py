@@ -16,11 +16,11 @@ Skipped without the [nemo] extra.
 from __future__ import annotations
 
 import csv
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import child_env
 from procwatch import train, window
 
 pytestmark = [pytest.mark.nemo, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -41,11 +41,8 @@ RSS_SLACK_KB = 96 * 1024
 
 def _run(workdir: Path, name: str, *overrides: str, sample: bool = False
          ) -> tuple[dict[str, Any], dict[int, list[dict[str, float]]]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
-    env.pop("PYTEST_CURRENT_TEST", None)
     return train(workdir / name, [*NEMO, f"data.cache_dir={workdir / 'data'}", *overrides], sample=sample,
-                 env=env, cwd=TESTS.parent)
+                 env=child_env(tests_on_path=True), cwd=TESTS.parent)
 
 
 def test_nemo_recoveries_free_what_each_failed_fit_built(tmp_path: Path) -> None:

@@ -16,13 +16,13 @@ Four launches (~50 s, ~80 s, ~50 s on 2 cores, and a 10 s Lightning run). Skippe
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import child_env
 
 pytestmark = [pytest.mark.nemo, pytest.mark.slow]
 
@@ -35,9 +35,7 @@ NEMO = ["recipe=tiny_llama_nemo", "launcher.preload=[nemo_shim]", "model.dropout
 
 
 def _train(run_dir: Path, *overrides: str) -> dict[str, Any]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
-    env.pop("PYTEST_CURRENT_TEST", None)
+    env = child_env(tests_on_path=True)
     proc = subprocess.run([sys.executable, "-m", "nemo_checkpointless.cli.train", f"run.dir={run_dir}", *overrides],
                           env=env, cwd=TESTS.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           timeout=LAUNCH_TIMEOUT_S, check=False)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import child_env
 
 from nemo_checkpointless.launcher.procs import job_pids, rank_pids
 
@@ -35,9 +36,7 @@ TIMEOUT_S = 240
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("PYTEST_CURRENT_TEST", None)
-    return env
+    return child_env()
 
 
 def _launch(run_dir: Path, *args: str, script: Path = SCRIPT, script_args: tuple[str, ...] = ()

@@ -98,7 +98,7 @@ def check_lightning_path(cfg: Config) -> None:
     if cfg.trainer.num_nodes != 1:
         raise ConfigError("trainer.num_nodes", cfg.trainer.num_nodes, "the local launcher runs on one machine",
                           "use trainer.num_nodes=1 here (several nodes are not supported yet; size a cluster "
-                              "job with checkpointless-plan)")
+                          "job with checkpointless-plan)")
     t = cfg.trainer
     for key, value, ok in (("trainer.accelerator", t.accelerator, "cpu"), ("trainer.precision", t.precision, "32-true"),
                            ("trainer.accumulate_grad_batches", t.accumulate_grad_batches, 1),

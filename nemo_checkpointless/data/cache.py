@@ -45,8 +45,6 @@ from nemo_checkpointless.state.packing import DTYPES, dtype_name
 
 CACHE_FORMAT = 1
 JOB_DIR_PREFIX = "ncl-data-"
-# The store key under which the launcher publishes the job id that names the cache directory.
-
 ALIGN = 64
 _MAX_INDEX_BYTES = 64 << 20
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")

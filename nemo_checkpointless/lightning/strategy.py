@@ -293,11 +293,11 @@ class CheckpointlessStrategy(ParallelStrategy):
             spare_id = int(environ[protocol.SPARE_ID_ENV])
             store.set(protocol.spare_ready_key(spare_id), "1")
             assignment = protocol.wait_for_assignment(store, spare_id)
-            rank = int(assignment["rank"])
+            rank = assignment.rank
             local_world = int(environ.get("LOCAL_WORLD_SIZE", world))
             environ.update(RANK=str(rank), LOCAL_RANK=str(rank % local_world), ROLE_RANK=str(rank))
             _set_rank_zero(rank)
-            join = JoinSpec("replacement", int(assignment["generation"]))
+            join = JoinSpec("replacement", assignment.generation)
         else:
             rank = int(environ["RANK"])
             if protocol.JOIN_GENERATION_ENV in environ:

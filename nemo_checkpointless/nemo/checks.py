@@ -77,7 +77,5 @@ def replication_knob(num_instances: object, num_distributed_optimizer_instances:
 def in_nemo_terms(error: ConfigError, instances_key: str) -> ConfigError:
     """`error` (from our topology) with the key a NeMo user wrote."""
     key = instances_key if error.key == "replication.num_instances" else _KEYS.get(error.key, error.key)
-    fix = error.fix
-    for ours, theirs in (("tp, cp, pp", "tensor, context and pipeline parallel sizes"),):
-        fix = fix.replace(ours, theirs)
-    return ConfigError(key, error.value, error.rule, fix)
+    return ConfigError(key, error.value, error.rule,
+                       error.fix.replace("tp, cp, pp", "tensor, context and pipeline parallel sizes"))

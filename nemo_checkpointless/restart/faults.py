@@ -18,7 +18,6 @@ class InjectedFault(RuntimeError):
     """The `exception` fault of a fault plan."""
 
 
-
 __all__ = ["InjectedFault", "fire_faults", "injected_key"]
 
 

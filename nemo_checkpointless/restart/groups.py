@@ -51,7 +51,6 @@ class CollectiveTimeout(PeerFailure):
     """A collective made no progress within the timeout and nobody reported a death: some rank hangs."""
 
 
-
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """A client of the launcher's store (every worker and spare is a client; the launcher is the server)."""
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))

@@ -45,7 +45,6 @@ from nemo_checkpointless.topology import ParallelDims, plan_recovery, rank_info
 
 log = logging.getLogger(__name__)
 
-
 SURVIVOR, REPLACEMENT = 0, 1
 _REPORT = 5  # role, completed steps, phase, steps in the data digest (= completed steps), data digest prefix
 
