@@ -29,7 +29,6 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -43,68 +42,14 @@ from typing_extensions import override
 from nemo_checkpointless import protocol
 from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.replication import ShardedOptimizer
-from nemo_checkpointless.restart import Membership, PeerFailure, WorkerEnv
-from nemo_checkpointless.restart.groups import connect_store
-from nemo_checkpointless.restart.recovery import Decision, RecoveryEngine, RecoveryStamps, RestartFromCheckpoint
-from nemo_checkpointless.state.checkpoint import CheckpointStore
+from nemo_checkpointless.restart import Membership, PeerFailure
+from nemo_checkpointless.restart.recovery import Decision, RestartFromCheckpoint
+from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
 from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
 from nemo_checkpointless.state.rng import capture_rng, restore_rng
 from nemo_checkpointless.topology import ParallelDims, rank_info
 
 STATE_VERSION = 1
-
-
-@dataclass
-class JoinSpec:
-    """How this rank enters `fit`: fresh (step 0), as a replacement (receive state at `generation`), or from the
-    persistent checkpoint of `step` after a fallback decided at `generation`."""
-
-    kind: str = "fresh"  # fresh | replacement | checkpoint
-    generation: int = 0
-    step: int = 0
-
-
-@dataclass
-class DataPosition:
-    """The first 0-based step the data loader yields (samples consumed = step x global batch)."""
-
-    step: int = 0
-
-
-@dataclass
-class Session:
-    """What outlives one `fit` on a rank: its place in the job, its groups and the recovery engine."""
-
-    env: WorkerEnv
-    membership: Membership
-    dims: ParallelDims
-    engine: RecoveryEngine
-    checkpoints: CheckpointStore | None
-    checkpoint_every: int = 0
-    position: DataPosition = field(default_factory=DataPosition)
-    stamps: RecoveryStamps = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.stamps = RecoveryStamps(self.membership.store, self.env.rank)
-
-    @classmethod
-    def create(cls, env: WorkerEnv, store: Any, dims: ParallelDims, collective_timeout_s: float,
-               checkpoint_every: int, checkpoint_dir: str | None, verify_checksum: bool = True) -> Session:
-        membership = Membership(store, env.rank, env.world_size, env.store_host, collective_timeout_s)
-        ckpt_dir = checkpoint_dir or os.path.join(env.run_dir, "checkpoints")
-        checkpoints = CheckpointStore(ckpt_dir, dims.shard_size) if checkpoint_every else None
-        engine = RecoveryEngine(membership, dims, checkpoints, verify_checksum=verify_checksum)
-        return cls(env, membership, dims, engine, checkpoints, checkpoint_every)
-
-
-def _env_number(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ConfigError(name, raw, "must be a number", f"unset {name} or set it to a number") from None
 
 
 def _set_rank_zero(rank: int) -> None:
@@ -277,60 +222,22 @@ class CheckpointlessStrategy(ParallelStrategy):
         ready and waits here for the rank it replaces."""
         if self._session is not None:
             return
-        environ = os.environ
-        if protocol.STORE_PORT_ENV not in environ:
-            raise RuntimeError(
-                "CheckpointlessStrategy: this process was not started by checkpointless-run (no "
-                f"{protocol.STORE_PORT_ENV} in its environment). Start the script with: checkpointless-run "
-                "--nproc-per-node K [--spares S] script.py ARGS (it hosts the job's store and replaces failed ranks)")
-        host, port = environ[protocol.STORE_HOST_ENV], int(environ[protocol.STORE_PORT_ENV])
-        run_dir = environ.get(protocol.RUN_DIR_ENV, os.getcwd())
-        world = int(environ["WORLD_SIZE"])
-        start_timeout = _env_number(protocol.START_TIMEOUT_ENV, 120.0)
-        store = connect_store(host, port, start_timeout)
-        join = self.join
-        if protocol.SPARE_ID_ENV in environ:
-            spare_id = int(environ[protocol.SPARE_ID_ENV])
-            store.set(protocol.spare_ready_key(spare_id), "1")
-            assignment = protocol.wait_for_assignment(store, spare_id)
-            rank = assignment.rank
-            local_world = int(environ.get("LOCAL_WORLD_SIZE", world))
-            environ.update(RANK=str(rank), LOCAL_RANK=str(rank % local_world), ROLE_RANK=str(rank))
-            _set_rank_zero(rank)
-            join = JoinSpec("replacement", assignment.generation)
-        else:
-            rank = int(environ["RANK"])
-            if protocol.JOIN_GENERATION_ENV in environ:
-                join = JoinSpec("replacement", int(environ[protocol.JOIN_GENERATION_ENV]))
-        store.set(protocol.checkpointless_key(os.getpid()), "1")
-        env = WorkerEnv(rank, world, int(environ.get("LOCAL_RANK", rank)), host, port, run_dir)
-        n = self._num_instances_arg or int(_env_number(protocol.NUM_INSTANCES_ENV, 0)) or (2 if world % 2 == 0 else 1)
-        if world % n:
-            raise ConfigError("CheckpointlessStrategy(num_instances=...)", n,
-                              f"must divide the data-parallel size {world}",
-                              f"use a divisor of {world} (2 keeps one replica of every optimizer shard)")
-        self.num_instances = n
-        every = self._checkpoint_every_arg
-        if every is None:
-            every = int(_env_number(protocol.CHECKPOINT_EVERY_ENV, 0))
-        timeout = self._collective_timeout_arg or _env_number(protocol.COLLECTIVE_TIMEOUT_ENV, 30.0)
-        ckpt_dir = self._checkpoint_dir_arg or environ.get(protocol.CHECKPOINT_DIR_ENV)
-        self._session = Session.create(env, store, ParallelDims(world_size=world, num_instances=n), timeout,
-                                       every, ckpt_dir, verify_checksum=self._verify_checksum)
-        # A cold replacement runs the whole script before it reaches the recovery: the others wait for it to
-        # arrive for as long as a rank may take to start, not one collective timeout.
-        self._session.membership.arrive_timeout_s = max(timeout, start_timeout)
-        if join.kind == "replacement":
-            # Anything this rank does before the join belongs to the generation it joins, not to generation 0.
-            self._session.membership.generation = join.generation - 1
-        elif protocol.RESTART_GENERATION_ENV in environ:
-            # A whole-job restart (launcher.on_failure=restart_all): every rank reloads the newest checkpoint.
-            generation = int(environ[protocol.RESTART_GENERATION_ENV])
-            checkpoints = self._session.checkpoints
-            step = checkpoints.latest(1 << 62) if checkpoints is not None else 0
-            self._session.membership.generation = generation
-            join = JoinSpec("checkpoint", generation, step)
-        self.join = join
+
+        def dims(world: int) -> ParallelDims:
+            n = self._num_instances_arg or int(env_number(protocol.NUM_INSTANCES_ENV, 0)) or (
+                2 if world % 2 == 0 else 1)
+            if world % n:
+                raise ConfigError("CheckpointlessStrategy(num_instances=...)", n,
+                                  f"must divide the data-parallel size {world}",
+                                  f"use a divisor of {world} (2 keeps one replica of every optimizer shard)")
+            return ParallelDims(world_size=world, num_instances=n)
+
+        self._session = Session.from_environ(
+            dims, checkpoint_every=self._checkpoint_every_arg, checkpoint_dir=self._checkpoint_dir_arg,
+            collective_timeout_s=self._collective_timeout_arg, verify_checksum=self._verify_checksum,
+            on_rank=_set_rank_zero)
+        self.num_instances = self._session.dims.num_instances
+        self.join = self._session.join
 
     @override
     def setup_environment(self) -> None:

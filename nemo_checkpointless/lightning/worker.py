@@ -28,8 +28,9 @@ from nemo_checkpointless.data.loader import LedgeredLoader, MmapBatchLoader
 from nemo_checkpointless.data.sampling import GlobalBatchPlan, RankBatchSampler, TokenSequences
 from nemo_checkpointless.lightning.callback import CheckpointlessCallback
 from nemo_checkpointless.lightning.module import LlamaLightningModule
-from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy, Session
+from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy
 from nemo_checkpointless.protocol import RUN_DIR_ENV, SPARE_ID_ENV
+from nemo_checkpointless.restart.session import Session
 from nemo_checkpointless.restart.template import warm_up_at_idle_priority
 from nemo_checkpointless.restart.worker_env import preload, run_worker
 from nemo_checkpointless.topology import rank_info
