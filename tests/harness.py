@@ -70,6 +70,32 @@ def child_env(tests_on_path: bool = False) -> dict[str, str]:
     return env
 
 
+def finish_job(proc: subprocess.Popen[bytes], run_dir: Path, rank_file: str, timeout_s: float,
+               world_size: int = 4) -> dict[str, Any]:
+    """Wait for a `checkpointless-run` job; assert it succeeded (else show its output and every rank's log tail);
+    its summary.json with `ranks`: each rank's RUN_DIR/<rank_file with {r}> JSON, and `log`: its output."""
+    out, _ = proc.communicate(timeout=timeout_s)
+    log = out.decode(errors="replace")
+    logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                     for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{log[-5000:]}\n{logs}"
+    summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    summary["ranks"] = {r: json.loads((run_dir / rank_file.format(r=r)).read_text()) for r in range(world_size)}
+    summary["log"] = log
+    return summary
+
+
+def job_progress(run_dir: Path, world_size: int = 4) -> int:
+    """The step every rank of a test script's job has completed (its RUN_DIR/progress_rank<r>.txt files)."""
+    steps = []
+    for p in run_dir.glob("progress_rank*.txt"):
+        try:
+            steps.append(int(p.read_text() or 0))
+        except (OSError, ValueError):
+            continue
+    return min(steps) if len(steps) == world_size else 0
+
+
 def emit_key(rank: int, key: str) -> str:
     """The store key under which `rank` emits `key`."""
     return f"emit/{rank}/{key}"

@@ -95,3 +95,23 @@ def test_the_strategy_checks_before_any_process_group(tmp_path: Path) -> None:
                                           "tp*cp*pp = 3"), results[3]
     assert results[4] == {"error": "num_distributed_optimizer_instances=4: is the same knob as num_instances=2, "
                                    "and they differ; pass only one of them"}
+
+
+@pytest.mark.nemo
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_apply_makes_nemos_llama3_8b_recipe_checkpointless_and_validates_it(tmp_path: Path) -> None:
+    """`apply(llm.llama3_8b.pretrain_recipe(...))` composes and validates with no process: NeMo's own recipe."""
+    proc = subprocess.run([sys.executable, str(TESTS / "scripts" / "nemo_recipe_checks.py")],
+                          env=child_env(tests_on_path=True), cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["strategy"] and all(out["kept"].values()) and len(out["kept"]) >= 8, out
+    assert out["instances"] == [2, 2] and out["distributed_optimizer"] is True
+    assert out["overlap_param_gather"] is False
+    assert out["callbacks"] == [False, True] and out["callbacks_after_second_apply"] == 2
+    assert out["three_instances"] == ("num_distributed_optimizer_instances=3: must divide the data-parallel size 8 "
+                                      "(dp*cp = 4*2); choose 1, 2, 4 or 8")
+    assert out["tp3"].startswith("world size (trainer devices x num_nodes)=8: must be a multiple of tp*cp*pp = 6")
+    assert out["not_a_recipe"].startswith("recipe.trainer=None: is missing")

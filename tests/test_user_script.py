@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import child_env
+from harness import child_env, finish_job, job_progress
 
 from nemo_checkpointless.launcher.procs import job_pids, rank_pids
 
@@ -47,15 +47,7 @@ def _launch(run_dir: Path, *args: str, script: Path = SCRIPT, script_args: tuple
 
 
 def _finish(proc: subprocess.Popen[bytes], run_dir: Path) -> dict[str, Any]:
-    out, _ = proc.communicate(timeout=TIMEOUT_S)
-    log = out.decode(errors="replace")
-    logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
-                     for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
-    assert proc.returncode == 0, f"exit code {proc.returncode}\n{log[-4000:]}\n{logs}"
-    summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
-    summary["ranks"] = {r: json.loads((run_dir / f"user_rank{r}.json").read_text()) for r in range(4)}
-    summary["log"] = log
-    return summary
+    return finish_job(proc, run_dir, "user_rank{r}.json", TIMEOUT_S)
 
 
 def _run(run_dir: Path, *args: str, script_args: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -63,13 +55,7 @@ def _run(run_dir: Path, *args: str, script_args: tuple[str, ...] = ()) -> dict[s
 
 
 def _progress(run_dir: Path) -> int:
-    steps = []
-    for p in run_dir.glob("progress_rank*.txt"):
-        try:
-            steps.append(int(p.read_text() or 0))
-        except (OSError, ValueError):
-            continue
-    return min(steps) if len(steps) == 4 else 0
+    return job_progress(run_dir)
 
 
 def _kill_when(run_dir: Path, rank: int, sig: int, at_step: int | None, done: list[str]) -> threading.Thread:

@@ -1,8 +1,9 @@
 """NeMo 2 / megatron-core integration.
 
 `MegatronParticipant` (the recovery engine's view of Megatron's distributed-optimizer shards) needs megatron-core
-only. `CheckpointlessMegatronStrategy` subclasses NeMo's `MegatronStrategy`, so it is imported on first use: the
-package imports without the [nemo] extra.
+only. `CheckpointlessMegatronStrategy` (a NeMo `MegatronStrategy`), `CheckpointlessCallback` and `apply` (a NeMo
+recipe made checkpointless) import NeMo, so they are imported on first use: the package imports without the [nemo]
+extra.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from typing import TYPE_CHECKING, Any
 from nemo_checkpointless.nemo.adapter import MegatronParticipant, distributed_optimizers
 
 if TYPE_CHECKING:
+    from nemo_checkpointless.nemo.callback import CheckpointlessCallback
+    from nemo_checkpointless.nemo.recipe import apply
     from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
 
-__all__ = ["CheckpointlessMegatronStrategy", "MegatronParticipant", "distributed_optimizers"]
+__all__ = ["CheckpointlessCallback", "CheckpointlessMegatronStrategy", "MegatronParticipant", "apply",
+           "distributed_optimizers"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +26,12 @@ def __getattr__(name: str) -> Any:
         from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
 
         return CheckpointlessMegatronStrategy
+    if name == "CheckpointlessCallback":
+        from nemo_checkpointless.nemo.callback import CheckpointlessCallback
+
+        return CheckpointlessCallback
+    if name == "apply":
+        from nemo_checkpointless.nemo.recipe import apply
+
+        return apply
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,9 +8,9 @@ restore, whatever s (`CheckpointlessMegatronStrategy.process_dataloader` sets it
 (`data.loader=mmap`), a rank's own micro-batches come from the job's shared-memory cache (tier 2), prefetched by
 its batch group's writer, so a replacement's first batch is already there.
 
-`recording_data_step` is the model's `data_step_fn`: it hashes each micro-batch the step actually consumes (inputs
-plus the last label, the Lightning path's batch) before handing it to NeMo's `gpt_data_step`; `take_step_digest`
-returns the step's digest. Importing this module imports NeMo (the [nemo] extra).
+`RecordingIterator` wraps the step's micro-batch iterator (`CheckpointlessMegatronStrategy.training_step`): it hashes
+each micro-batch the step actually consumes (a GPT batch: inputs plus the last label, the Lightning path's batch);
+`take_step_digest` returns the step's digest. Importing this module imports NeMo (the [nemo] extra).
 """
 
 from __future__ import annotations
@@ -74,42 +74,67 @@ class PlannedDataModule(pl.LightningDataModule):
         global_batch_size: micro_batch_size x DP x gradient accumulation.
         max_steps: the dataset is `max_steps * global_batch_size` positions long (epochs repeat, each reshuffled).
         attention_mask: build the causal mask (needed without Transformer Engine).
-        loader: builds this rank's tier-2 loader (`data.job.job_loader`) from (samples, plan, plan steps); None:
-            read the token file directly. Call `close()` when the module is done with (it stops the prefetch).
+        loader: builds this rank's tier-2 loader (`data.job.job_loader`) from (the strategy's session, samples,
+            plan, plan steps) when `fit` sets the module up (a spare learns its rank there); closed at teardown
+            (it stops the prefetch; the next `fit`'s loader adopts what the cache holds). None: read the token
+            file directly.
     """
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, micro_batch_size: int, dp_size: int,
                  global_batch_size: int, seed: int, shuffle: bool, max_steps: int, attention_mask: bool,
-                 loader: Callable[[TokenSequences, GlobalBatchPlan, int], MmapBatchLoader] | None = None) -> None:
+                 loader: Callable[[Any, TokenSequences, GlobalBatchPlan, int], MmapBatchLoader] | None = None) -> None:
         super().__init__()
         self.sequences = TokenSequences(tokens, seq_len)
         self.plan = GlobalBatchPlan(len(self.sequences), micro_batch_size, dp_size, seed, shuffle)
         # A plan step is one micro-batch per DP rank: global_batch_size / (micro_batch_size x DP) per optimizer step.
-        plan_steps = max_steps * global_batch_size // self.plan.global_batch_size
-        self.loader = loader(self.sequences, self.plan, plan_steps) if loader is not None else None
-        self.dataset = PlannedSamples(self.sequences, self.plan, max_steps * global_batch_size, attention_mask,
-                                      self.loader)
+        self.plan_steps = max_steps * global_batch_size // self.plan.global_batch_size
+        self.length, self.attention_mask = max_steps * global_batch_size, attention_mask
+        self.make_loader = loader
+        self.loader: MmapBatchLoader | None = None
+        self.dataset = PlannedSamples(self.sequences, self.plan, self.length, attention_mask)
         self.seq_length = seq_len
         self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
         self.data_sampler = MegatronDataSampler(seq_len=seq_len, micro_batch_size=micro_batch_size,
                                                 global_batch_size=global_batch_size)
 
+    def setup(self, stage: str = "") -> None:
+        if self.make_loader is not None and self.loader is None:
+            strategy: Any = self.trainer.strategy if self.trainer is not None else None
+            self.loader = self.make_loader(strategy.session, self.sequences, self.plan, self.plan_steps)
+            self.dataset = PlannedSamples(self.sequences, self.plan, self.length, self.attention_mask, self.loader)
+
     def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
         return torch.utils.data.DataLoader(self.dataset, num_workers=0, pin_memory=False)
+
+    def teardown(self, stage: str = "") -> None:
+        self.close()
 
     def close(self) -> None:
         if self.loader is not None:
             self.loader.close()
+            self.loader = None
 
 
-def recording_data_step(dataloader_iter: Any, use_mtp: bool = False) -> dict[str, torch.Tensor]:
-    """NeMo's `gpt_data_step`, after recording the hash of the micro-batch it consumes."""
-    from nemo.collections.llm.gpt.model.base import gpt_data_step
+class RecordingIterator:
+    """The step's micro-batch iterator, recording the hash of each micro-batch Megatron's schedule draws from it:
+    a GPT batch by its inputs plus the last label (the Lightning path's batch: the two engines' data records agree),
+    anything else by every tensor in it (`state.hashing.batch_hash`)."""
 
-    batch = next(dataloader_iter)
-    fields = batch[0] if isinstance(batch, tuple) and len(batch) == 3 else batch
-    _RECORDED.append(batch_hash(torch.cat([fields["tokens"], fields["labels"][:, -1:]], dim=1)))
-    return gpt_data_step(iter([batch]), use_mtp)
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __iter__(self) -> RecordingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.inner)
+        fields = batch[0] if isinstance(batch, tuple) and len(batch) == 3 else batch  # Lightning's (batch, i, j)
+        if isinstance(fields, dict) and isinstance(fields.get("tokens"), torch.Tensor) and isinstance(
+                fields.get("labels"), torch.Tensor):
+            _RECORDED.append(batch_hash(torch.cat([fields["tokens"], fields["labels"][:, -1:]], dim=1)))
+        else:
+            _RECORDED.append(batch_hash(fields))
+        return batch
 
 
 def take_step_digest() -> bytes | None:

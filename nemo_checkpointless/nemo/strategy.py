@@ -10,14 +10,17 @@ What it adds to `MegatronStrategy`:
   snapshot is taken before every training step and its step count follows the optimizer steps, so the recovery
   engine can read or replace this rank's shard at any step boundary.
 
-In-process replacement (`nemo.restart`): every `fit` of a generation runs on its own default group, created from
-the launcher's store under a per-generation prefix (`use_generation`), with a short collective timeout (`pg_timeout_s=`,
-applied to the default group and to every group megatron derives from it) as the failure detector of the ranks
-that do not neighbour the dead one. After a failure every rank leaves `fit` in its own process, the old default
-group is abandoned (not destroyed), and `fit` is entered again with a fresh Megatron setup; `resume` is the
-state to load once the model and optimizer exist (a survivor's own boundary state, kept in memory; a
-replacement's, received from its replica by the recovery engine), and the data position and Lightning's counters
-start at its step. See `nemo.restart`.
+Under `checkpointless-run` (or `checkpointless-train`), in-process replacement (`nemo.restart`): the strategy's
+session comes from the launcher's environment when `fit` starts (a hot spare waits there for its rank), and the
+strategy is its own Lightning launcher (`nemo.restart.InProcessLauncher`). Every `fit` of a generation runs on its
+own default group, created from the launcher's store under a per-generation prefix (`begin_generation`), with a
+short collective timeout (`pg_timeout_s=`, applied to the default group and to every group megatron derives from
+it) as the failure detector of the ranks that do not neighbour the dead one. After a failure every rank leaves
+`fit` in its own process, the old default group is abandoned (not destroyed), and `fit` is entered again on the
+same trainer and model with a fresh Megatron setup; `resume` is the state to load once the model and optimizer
+exist (a survivor's own boundary state, kept in memory; a replacement's, received from its replica by the
+recovery engine), and the data position and Lightning's counters start at its step. Started any other way, it is
+`MegatronStrategy` with the replicated optimizer and the participant (nothing recovers in process).
 """
 
 from __future__ import annotations
@@ -32,13 +35,20 @@ from nemo_checkpointless.nemo.checks import check_versions, in_nemo_terms, insta
 
 check_versions(*installed_versions())  # before NeMo's own imports: one message for an unsupported install
 
+import torch.distributed as dist  # noqa: E402
+from lightning.fabric.plugins.environments import LightningEnvironment  # noqa: E402
 from nemo.lightning import MegatronStrategy  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
 from nemo_checkpointless.errors import ConfigError  # noqa: E402
 from nemo_checkpointless.nemo.adapter import MegatronParticipant  # noqa: E402
+from nemo_checkpointless.nemo.data import RecordingIterator  # noqa: E402
+from nemo_checkpointless.protocol import NUM_INSTANCES_ENV, STORE_PORT_ENV  # noqa: E402
+from nemo_checkpointless.restart.session import Session  # noqa: E402
 from nemo_checkpointless.state.checkpoint import CheckpointStore  # noqa: E402
 from nemo_checkpointless.topology import ParallelDims, rank_info  # noqa: E402
+
+NEMO_DEFAULT_SEED = 1234  # the seed NeMo's `init_parallel_ranks` gives Megatron's RNG tracker
 
 
 class CheckpointlessMegatronStrategy(MegatronStrategy):
@@ -48,18 +58,28 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         num_instances: `replication.num_instances`; Megatron's `num_distributed_optimizer_instances`, which may be
             passed under that name instead (one knob: both given must agree). Must divide the data-parallel size
             (dp*cp) at the job's world size; checked when the world size is known, before any process group.
-        global_batch_size: samples per step, recorded with the data position (0: unknown).
-        pg_timeout_s: with `use_generation`, the gloo timeout of the default group and of megatron's groups (NeMo
+        global_batch_size: samples per step, recorded with the data position (0: the data sampler's).
+        pg_timeout_s: under our launcher, the gloo timeout of the default group and of megatron's groups (NeMo
             reads it from TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC, which this sets): the failure detector of last resort.
-            Must exceed the longest collective wait of a healthy step.
+            Must exceed the longest collective wait of a healthy step. Default: `checkpointless-run
+            --collective-timeout`, else 30.
+        checkpoint_every_n_steps, checkpoint_dir: the persistent fallback checkpoint (each rank of the first
+            optimizer instance writes its whole state at the step boundary). Default: `checkpointless-run
+            --checkpoint-every` (0: none; the fallback is then the seeded initial state), `RUN_DIR/checkpoints`.
+        verify_checksum: check the sha256 of every state a replacement receives.
         **kwargs: `MegatronStrategy`'s arguments (`tensor_model_parallel_size`, `ddp`, ...).
     """
 
     def __init__(self, *args: Any, num_instances: int | None = None,
                  num_distributed_optimizer_instances: int | None = None, global_batch_size: int = 0,
-                 pg_timeout_s: float | None = None, **kwargs: Any) -> None:
+                 pg_timeout_s: float | None = None, checkpoint_every_n_steps: int | None = None,
+                 checkpoint_dir: str | None = None, verify_checksum: bool = True, **kwargs: Any) -> None:
+        if num_instances is None and num_distributed_optimizer_instances is None and os.environ.get(NUM_INSTANCES_ENV):
+            num_instances = int(os.environ[NUM_INSTANCES_ENV])  # checkpointless-run --num-instances
         self.instances_key, num_instances = replication_knob(num_instances, num_distributed_optimizer_instances)
         kwargs.setdefault("ddp", _distributed_optimizer_ddp())
+        # Ranks come from the session (a spare learns its rank inside `fit`), not from the variables torchrun sets.
+        kwargs.setdefault("cluster_environment", LightningEnvironment())
         super().__init__(*args, num_distributed_optimizer_instances=num_instances, **kwargs)
         ddp = self.ddp_config
         if num_instances > 1 and not getattr(ddp, "use_distributed_optimizer", False):
@@ -72,39 +92,92 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.participant: MegatronParticipant | None = None
         self.dims: ParallelDims | None = None
         self.pg_timeout_s = pg_timeout_s
+        self._checkpoint_every_arg, self._checkpoint_dir_arg = checkpoint_every_n_steps, checkpoint_dir
+        self._verify_checksum = verify_checksum
+        self._session: Session | None = None  # built when fit starts (`ensure_session`)
         self.pg_store: Any = None
         self.resume: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
         self.resume_step = 0
-        self.checkpoints: CheckpointStore | None = None
-        self.checkpoint_every = 0
         self.groups_s = 0.0  # how long the last `setup_distributed` took (default group + megatron's groups)
+        self.reentry: dict[str, float] = {}  # times of the phases of the last re-entry into `fit`
+        self._position_from_resume = False
 
-    def use_generation(self, pg_store: Any,
-                       resume: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None) -> None:
-        """Before `fit`: build the default group from `pg_store` (a `PrefixStore` naming the generation over the
-        launcher's store) and, once the model and optimizer exist, load `resume` (a `MegatronParticipant` state).
-        Not constructor arguments: NeMo deep-copies those for its io config, and a store cannot be copied."""
-        self.pg_store = pg_store
+    # ------------------------------------------------------------------------------------------ the session
+    @property
+    def session(self) -> Session:
+        assert self._session is not None, "the session is built when fit starts"
+        return self._session
+
+    @property
+    def checkpoints(self) -> CheckpointStore | None:
+        return self.session.checkpoints
+
+    @property
+    def under_launcher(self) -> bool:
+        """Started by `checkpointless-run` / `checkpointless-train`. Otherwise (e.g. Lightning's own launcher, or
+        torchrun) this is NeMo's `MegatronStrategy` with the replicated optimizer and a `MegatronParticipant`, and
+        nothing recovers in process."""
+        return STORE_PORT_ENV in os.environ
+
+    def ensure_session(self) -> None:
+        """This rank's session, from the launcher's environment (once per process). A hot spare says it is ready
+        and waits here for the rank it replaces."""
+        if self._session is not None:
+            return
+
+        def dims(world: int) -> ParallelDims:
+            return self.job_dims(world)
+
+        session = Session.from_environ(dims, checkpoint_every=self._checkpoint_every_arg,
+                                       checkpoint_dir=self._checkpoint_dir_arg,
+                                       collective_timeout_s=self.pg_timeout_s, verify_checksum=self._verify_checksum)
+        timeout = session.membership.timeout_s
+        self.pg_timeout_s = timeout
+        # The engine's collectives wait out a survivor still stuck in a NeMo collective until its timeout.
+        session.membership.timeout_s = 2 * timeout + 60
+        self.dims = session.dims
+        self._session = session
+
+    def begin_generation(self, resume: tuple[dict[str, torch.Tensor], dict[str, Any]] | None) -> None:
+        """Before a `fit` of the session's current generation: its default group is made from the launcher's store
+        (prefix `nemo/gen<g>/`), and `resume` (a `MegatronParticipant` state) is loaded once the model and
+        optimizer exist."""
+        self.pg_store = dist.PrefixStore(f"nemo/gen{self.session.membership.generation}/", self.session.store)
         self.resume = resume
         self.resume_step = int(resume[1]["step"]) if resume is not None else 0
+        self._position_from_resume = resume is not None
 
-    def use_checkpoints(self, checkpoints: CheckpointStore | None, every_n_steps: int) -> None:
-        """Write the persistent fallback checkpoint every `every_n_steps` steps, at the step boundary: each rank of
-        the first optimizer instance writes its whole state (parameters, shard, RNG) as shard `shard_index`."""
-        self.checkpoints = checkpoints
-        self.checkpoint_every = every_n_steps if checkpoints is not None else 0
-
-    def job_dims(self) -> ParallelDims:
+    def job_dims(self, world_size: int | None = None) -> ParallelDims:
         """The job's layout in our topology's terms (raises `ConfigError` naming the key when it is invalid)."""
         try:
-            return ParallelDims(world_size=self.world_size, tp=self.tensor_model_parallel_size,
+            return ParallelDims(world_size=world_size or self.world_size, tp=self.tensor_model_parallel_size,
                                 cp=self.context_parallel_size, pp=self.pipeline_model_parallel_size,
                                 ep=self.expert_model_parallel_size, num_instances=self.num_instances)
         except ConfigError as e:
             raise in_nemo_terms(e, self.instances_key) from None
 
     @override
+    def _configure_launcher(self) -> None:
+        from nemo_checkpointless.nemo.restart import InProcessLauncher
+
+        if self.under_launcher:
+            self._launcher = InProcessLauncher(self)
+        else:
+            super()._configure_launcher()
+
+    @override
     def setup_environment(self) -> None:
+        if not self.under_launcher:
+            self.dims = self.job_dims()
+            super().setup_environment()
+            self._check_megatron_groups()
+            return
+        self.ensure_session()
+        env = self.session.env
+        os.environ["WORLD_SIZE"] = str(env.world_size)  # Lightning's environment removes it at each teardown
+        assert isinstance(self.cluster_environment, LightningEnvironment)
+        self.cluster_environment.set_world_size(env.world_size)
+        self.cluster_environment.set_global_rank(env.rank)
         # Before init_process_group: a bad num_instances fails here with our message, not inside megatron.
         self.dims = self.job_dims()
         super().setup_environment()
@@ -112,7 +185,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        if self.pg_store is None:
+        if self.pg_store is None:  # not under our launcher
             super().setup_distributed()
             return
         # Every member arrives first (the store waits as long as a replacement needs to start), then gloo connects
@@ -154,6 +227,11 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         finally:
             parallel_state.initialize_model_parallel = original
             self.groups_s = time.monotonic() - t0
+        if torch.cuda.device_count() == 0:
+            # NeMo seeds Megatron's model-parallel RNG tracker (with its default seed) only when it sees a GPU.
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(NEMO_DEFAULT_SEED)
 
     def _check_megatron_groups(self) -> None:
         if self.num_instances == 1:
@@ -172,8 +250,17 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        from nemo_checkpointless.nemo.callback import CheckpointlessCallback
+
+        if self.under_launcher and not any(isinstance(c, CheckpointlessCallback) for c in trainer.callbacks):
+            raise ConfigError("nl.Trainer(callbacks=...)", [type(c).__name__ for c in trainer.callbacks],
+                              "CheckpointlessMegatronStrategy needs CheckpointlessCallback (the per-step record of "
+                              "what each rank trained on, the recovery records, the run summary)",
+                              "add CheckpointlessCallback() to the trainer's callbacks")
         super().setup(trainer)
         assert self.dims is not None
+        if not self.global_batch_size and self.data_sampler is not None:
+            self.global_batch_size = int(getattr(self.data_sampler, "global_batch_size", 0) or 0)
         self.participant = MegatronParticipant(
             list(self.megatron_parallel), self.optimizers[0], dp_size=self.dims.dp_cp,
             num_instances=self.num_instances, shard_index=rank_info(self.dims, self.global_rank).shard_index,
@@ -188,8 +275,12 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        if self.resume_step and self.data_sampler is not None and getattr(dataloader, "mode", "train") == "train":
+        if (self._position_from_resume and self.data_sampler is not None
+                and getattr(dataloader, "mode", "train") == "train"):
+            # The exact data position, O(1): Megatron's sampler starts at `step x global batch` samples. The
+            # sampler's own progress (a re-entered fit reuses the user's data module) starts there too.
             sampler: Any = self.data_sampler
+            sampler.if_first_step = 0
             consumed = self.resume_step * int(getattr(sampler, "global_batch_size", 0) or self.global_batch_size)
             sampler.init_consumed_samples = sampler.prev_consumed_samples = consumed
             sampler.init_global_step = self.resume_step
@@ -211,11 +302,12 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         assert self.participant is not None and self.dims is not None
         step = self.trainer.global_step
         self.participant.at_step_boundary(step)
-        every = self.checkpoint_every
-        if (every and step and step % every == 0 and step != self.resume_step and self.checkpoints is not None
+        every, checkpoints = (self.session.checkpoint_every, self.session.checkpoints) if self._session else (0, None)
+        if (every and step and step % every == 0 and step != self.resume_step and checkpoints is not None
                 and rank_info(self.dims, self.global_rank).instance == 0):
-            self.checkpoints.save_shard(step, self.participant.shard_index, *self.participant.boundary_state())
-        return super().training_step(dataloader_iter, *args, **kwargs)
+            checkpoints.save_shard(step, self.participant.shard_index, *self.participant.boundary_state())
+        # Each micro-batch the step consumes is hashed as Megatron's schedule draws it (the data record).
+        return super().training_step(RecordingIterator(dataloader_iter), *args, **kwargs)
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:

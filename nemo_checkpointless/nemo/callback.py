@@ -1,0 +1,147 @@
+"""`CheckpointlessCallback` for NeMo 2: `nl.Trainer(strategy=CheckpointlessMegatronStrategy(...),
+callbacks=[CheckpointlessCallback()])`. Importing this module imports NeMo (the [nemo] extra).
+
+Per step: the fault plan's faults (tests, benchmarks; each fires once per job, even across replacements), the data
+record (the hash of what this rank trained on, under `data/<step>/<rank>` in the launcher's store), and the stamps
+the launcher turns into each recovery's record. At the end, every rank writes `RUN_DIR/nemo_rank<r>.json` (its
+pid and the sha256 of its parameters, optimizer shard and RNG), and rank 0 writes `RUN_DIR/worker_summary.json`
+(what `checkpointless-run` puts in `summary.json`): the final step, `state_sha256` (every rank's parameters and
+optimizer shard, in rank order: equal runs give equal hashes for the same layout) and `data_sha256` (the global
+batches, defined as on the Lightning path, so the two engines agree on it for the same data settings).
+
+It holds no store or process state of its own (NeMo deep-copies a trainer's callbacks for its io config): all of
+that is the strategy's session.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+from nemo_checkpointless.config import FaultSpec
+from nemo_checkpointless.errors import ConfigError
+from nemo_checkpointless.nemo.data import take_step_digest
+from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
+from nemo_checkpointless.protocol import FAULT_PLAN_ENV, RUN_DIR_ENV, TRAIN_START_KEY, mark_process_training
+from nemo_checkpointless.restart.faults import fire_faults
+from nemo_checkpointless.state.hashing import DataDigest, state_digest
+
+WORKER_SUMMARY = "worker_summary.json"
+
+
+def data_key(step: int, rank: int) -> str:
+    return f"data/{step}/{rank}"
+
+
+class CheckpointlessCallback(pl.Callback):
+    """Pairs with `CheckpointlessMegatronStrategy`.
+
+    Args:
+        run_dir: where the summary goes. Default: the launcher's run directory.
+        fault_plan: faults to inject (tests, benchmarks). Default: the launcher's (`checkpointless-run
+            --fault kind:rank:step`), else none.
+        summary_timeout_s: how long rank 0 waits for every rank's final digests at the end.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str] | None = None, fault_plan: list[FaultSpec] | None = None,
+                 summary_timeout_s: float = 120.0) -> None:
+        self.run_dir = Path(run_dir if run_dir is not None else os.environ.get(RUN_DIR_ENV, "."))
+        if fault_plan is None and os.environ.get(FAULT_PLAN_ENV):
+            fault_plan = [FaultSpec(**spec) for spec in json.loads(os.environ[FAULT_PLAN_ENV])]
+        self.fault_plan = list(fault_plan or [])
+        self.summary_timeout_s = summary_timeout_s
+
+    @staticmethod
+    def _strategy(trainer: pl.Trainer) -> CheckpointlessMegatronStrategy:
+        if not isinstance(trainer.strategy, CheckpointlessMegatronStrategy):
+            raise ConfigError("nl.Trainer(strategy=...)", type(trainer.strategy).__name__,
+                              "CheckpointlessCallback needs the checkpointless strategy (it recovers the ranks)",
+                              "use strategy=CheckpointlessMegatronStrategy(...), which takes every argument "
+                              "nl.MegatronStrategy takes")
+        return trainer.strategy
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._strategy(trainer)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = self._strategy(trainer)
+        if strategy.reentry:
+            strategy.reentry["train_start"] = time.time()
+            strategy.reentry["groups"] = strategy.groups_s
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        strategy = self._strategy(trainer)
+        session = strategy.session
+        store = session.store
+        if mark_process_training(store) and session.env.rank == 0 and not store.check([TRAIN_START_KEY]):
+            store.set(TRAIN_START_KEY, json.dumps(time.time()))
+
+        def corrupt() -> None:
+            session.engine.corrupt_next_send = True
+
+        fire_faults(self.fault_plan, session.env.rank, trainer.global_step + 1, store, corrupt)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        strategy = self._strategy(trainer)
+        session, step = strategy.session, trainer.global_step
+        if strategy.reentry:  # the first step after a recovery: where the time to re-enter `fit` went
+            t = strategy.reentry
+            print(f"[rank {session.env.rank}] back in fit: fit set-up {t['train_start'] - t['recovered']:.2f} s "
+                  f"(of which groups {t.get('groups', 0.0):.2f} s), first step {time.time() - t['train_start']:.2f} s",
+                  flush=True)
+            strategy.reentry = {}
+        digest = take_step_digest()
+        if digest is not None:
+            session.store.set(data_key(step, session.env.rank), digest.hex())
+        session.stamps.stamp(step)
+        loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
+        first = getattr(loader, "first_batch", None)
+        if first and first["step"] and not first.get("reported"):
+            first["reported"] = True
+            print(f"[rank {session.env.rank}] data: first batch at step {first['step']} from the "
+                  f"{first['source']} in {1e3 * first['s']:.2f} ms", flush=True)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = self._strategy(trainer)
+        session, step = strategy.session, trainer.global_step
+        rank, world, store = session.env.rank, session.env.world_size, session.store
+        part = strategy.participant
+        assert part is not None
+        part.at_step_boundary(step)
+        tensors, _ = part.boundary_state()
+        params = state_digest({k: v for k, v in tensors.items() if k.startswith("model.")}, {})
+        shard = state_digest({k: v for k, v in tensors.items() if k.startswith("opt")}, {})
+        store.set(f"final/{step}/{rank}", f"{params}:{shard}")
+        record = {"rank": rank, "pid": os.getpid(), "step": step, "params_sha256": params, "shard_sha256": shard,
+                  "rng_sha256": state_digest({k: v for k, v in tensors.items() if k.startswith("rng.")}, {})}
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / f"nemo_rank{rank}.json").write_text(json.dumps(record, indent=1))
+        if rank != 0:
+            return
+        finals = [f"final/{step}/{r}" for r in range(world)]
+        steps = [data_key(s, r) for s in range(1, step + 1) for r in range(world)]
+        store.wait(finals + steps, datetime.timedelta(seconds=self.summary_timeout_s))
+        state = hashlib.sha256("|".join(store.get(k).decode() for k in finals).encode()).hexdigest()
+        data = DataDigest()
+        for s in range(1, step + 1):
+            data.update([bytes.fromhex(store.get(data_key(s, r)).decode()) for r in range(world)])
+        summary = {"final_step": step, "state_sha256": state, "data_sha256": data.hexdigest,
+                   "data_steps": data.steps, "train_end_t": time.time()}
+        tmp = self.run_dir / f".{WORKER_SUMMARY}.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        tmp.replace(self.run_dir / WORKER_SUMMARY)

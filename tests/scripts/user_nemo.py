@@ -1,0 +1,100 @@
+"""A NeMo 2 user's own pre-training script, with the checkpointless strategy and callback swapped in.
+
+Its own tiny `llm.GPTModel(Llama3Config(...))` (dropout on), NeMo's `MockDataModule`, Megatron's distributed
+optimizer through `nl.MegatronOptimizerModule` with a warm-up + cosine schedule, `nl.Trainer`, and `llm.train`.
+Run by the tests with `checkpointless-run --nproc-per-node 4 --spares 1 tests/scripts/user_nemo.py ...`.
+
+The one line a user would not write: on a machine without a GPU the test suite's CPU shim (`tests/nemo_shim.py`)
+is installed before NeMo is imported. Every rank writes RUN_DIR/progress_rank<r>.txt (its step; the tests time
+their kills by it); the callback writes the digests the tests compare with a fault-free run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    import nemo_shim  # test-only: megatron-core and NeMo on CPU (PYTHONPATH=tests)
+
+    nemo_shim.install()
+
+import lightning.pytorch as pl
+from megatron.core.optimizer import OptimizerConfig
+from nemo import lightning as nl
+from nemo.collections import llm
+from nemo.collections.llm.gpt.model.llama import Llama3Config
+from nemo.lightning.pytorch.optim import CosineAnnealingScheduler
+
+from nemo_checkpointless.nemo import CheckpointlessCallback, CheckpointlessMegatronStrategy
+
+
+class ByteVocabulary:
+    """What MockDataModule and GPTModel read of a tokenizer: the vocabulary size."""
+
+    vocab_size = 256
+
+
+class CpuMockDataModule(llm.MockDataModule):
+    """NeMo 2.7.3's MockDataModule passes `create_attention_mask` to its dataset in the `seed` position, so without
+    Transformer Engine (on CPU) its batches have no mask; this puts the mask back."""
+
+    def setup(self, stage: str = "") -> None:
+        super().setup(stage)
+        for dataset in (self._train_ds, self._validation_ds, self._test_ds):
+            dataset.create_attention_mask = True
+            dataset.attention_mask = torch.ones(self.seq_length, self.seq_length).tril().unsqueeze(0) < 0.5
+
+
+class Progress(pl.Callback):
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        path = os.path.join(os.environ.get("NCL_RUN_DIR", "."), f"progress_rank{trainer.global_rank}.txt")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(trainer.global_step))
+        os.replace(path + ".tmp", path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--max-steps", type=int, default=12)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--plain-strategy", action="store_true", help="bad input: NeMo's own MegatronStrategy")
+    parser.add_argument("--no-callback", action="store_true", help="bad input: our strategy without our callback")
+    args = parser.parse_args()
+    cpu = not torch.cuda.is_available()
+    options = {}
+    if cpu:  # no Transformer Engine, no fused kernels
+        from nemo.collections.llm.gpt.model.base import local_layer_spec
+
+        options = dict(use_cpu_initialization=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                       persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+                       bias_activation_fusion=False, transformer_layer_spec=local_layer_spec)
+    config = Llama3Config(num_layers=2, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4,
+                          num_query_groups=2, seq_length=64, hidden_dropout=0.1, attention_dropout=0.1,
+                          init_method_std=0.02, make_vocab_size_divisible_by=128, **options)
+    tokenizer = ByteVocabulary()
+    model = llm.GPTModel(config, tokenizer=tokenizer)
+    data = (CpuMockDataModule if cpu else llm.MockDataModule)(
+        seq_length=64, micro_batch_size=2, global_batch_size=8, tokenizer=tokenizer, num_workers=0, pin_memory=False,
+        num_train_samples=args.max_steps * 8, num_val_samples=8, num_test_samples=8)
+    optim = nl.MegatronOptimizerModule(
+        config=OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01, clip_grad=1.0,
+                               use_distributed_optimizer=True),
+        lr_scheduler=CosineAnnealingScheduler(max_steps=args.max_steps, warmup_steps=4, min_lr=3e-4))
+    parallel = dict(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, ckpt_async_save=False)
+    strategy = (nl.MegatronStrategy(**parallel) if args.plain_strategy else
+                CheckpointlessMegatronStrategy(num_distributed_optimizer_instances=2, **parallel))
+    callbacks = [Progress()] if args.no_callback else [CheckpointlessCallback(), Progress()]
+    trainer = nl.Trainer(accelerator="cpu" if cpu else "gpu", devices=4, num_nodes=1, max_steps=args.max_steps,
+                         strategy=strategy, callbacks=callbacks, logger=False,
+                         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
+                         enable_progress_bar=False, log_every_n_steps=1)
+    llm.train(model, data, trainer, optim=optim,
+              log=nl.NeMoLogger(log_dir=os.path.join(os.environ.get("NCL_RUN_DIR", "."), "nemo_logs")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""A NeMo 2 user's own script (`tests/scripts/user_nemo.py`: its own tiny `llm.GPTModel(Llama3Config(...))`,
+`MockDataModule`, `nl.MegatronOptimizerModule`, `nl.Trainer` with `CheckpointlessMegatronStrategy` and
+`CheckpointlessCallback`, `llm.train`) under `checkpointless-run --nproc-per-node 4 --spares 1`:
+
+- a rank chosen at random is SIGKILLed from the test at a random moment of training (the seed is printed: set
+  NCL_TEST_SEED to replay it): the job ends bitwise-equal to the fault-free run (every rank's parameters,
+  optimizer shard and RNG; the same global batches in the same order), and the healthy ranks keep their pids;
+- tensor parallelism (TP=2, DP=2, N=2): a kill at a step boundary recovers p2p from the rank that holds the same
+  TP slice in the other optimizer instance, and ends equal to the fault-free TP=2 run.
+
+Four launches (~55 s each on 2 cores). Skipped without the [nemo] extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import child_env, finish_job, job_progress
+
+from nemo_checkpointless.launcher.procs import rank_pids
+
+pytestmark = [pytest.mark.nemo, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "user_nemo.py"
+STEPS = 12
+TIMEOUT_S = 400
+
+
+def _launch(run_dir: Path, *args: str, script_args: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "nemo_checkpointless.cli.run", "--nproc-per-node", "4", "--run-dir", str(run_dir),
+           "--collective-timeout", "8", "--max-restarts", "2", *args, str(SCRIPT), "--max-steps", str(STEPS),
+           *script_args]
+    return subprocess.Popen(cmd, env=child_env(tests_on_path=True), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+
+
+def _finish(proc: subprocess.Popen[bytes], run_dir: Path) -> dict[str, Any]:
+    return finish_job(proc, run_dir, "nemo_rank{r}.json", TIMEOUT_S)
+
+
+def _progress(run_dir: Path) -> int:
+    return job_progress(run_dir)
+
+
+def _assert_equal(reference: dict[str, Any], summary: dict[str, Any]) -> None:
+    assert summary["final_step"] == STEPS, summary["recoveries"]
+    assert summary["state_sha256"] == reference["state_sha256"], json.dumps(summary["recoveries"], indent=1)
+    assert summary["data_sha256"] == reference["data_sha256"], "a batch was repeated or skipped"
+    for r in range(4):
+        for key in ("params_sha256", "shard_sha256", "rng_sha256"):
+            assert summary["ranks"][r][key] == reference["ranks"][r][key], (r, key, summary["recoveries"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    run_dir = tmp_path_factory.mktemp("user_nemo") / "faultfree"
+    summary = _finish(_launch(run_dir), run_dir)
+    assert summary["final_step"] == STEPS and summary["recoveries"] == []
+    return summary
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_killed_at_a_random_moment_ends_equal_and_survivors_keep_their_pids(reference: dict[str, Any],
+                                                                            tmp_path: Path) -> None:
+    seed = int(os.environ.get("NCL_TEST_SEED", time.time_ns() % 1_000_000))
+    rng = random.Random(seed)
+    victim, after_step, delay = rng.randrange(4), rng.randrange(2, STEPS - 4), rng.uniform(0.0, 1.0)
+    print(f"NCL_TEST_SEED={seed}: SIGKILL rank {victim} {delay:.2f} s after every rank completed step {after_step}")
+    run_dir = tmp_path / "killed"
+    proc = _launch(run_dir, "--spares", "1")
+    deadline = time.monotonic() + TIMEOUT_S
+    while _progress(run_dir) < after_step:
+        assert proc.poll() is None and time.monotonic() < deadline, "the job ended before the kill"
+        time.sleep(0.005)
+    time.sleep(delay)
+    before = rank_pids(run_dir)
+    os.kill(before[victim], signal.SIGKILL)
+    summary = _finish(proc, run_dir)
+    _assert_equal(reference, summary)
+    (record,) = summary["recoveries"]
+    assert record["failed_ranks"] == [victim] and record["replacement"] == {str(victim): "warm spare"}, record
+    for r in range(4):
+        if r != victim:
+            assert summary["ranks"][r]["pid"] == before[r], f"rank {r} was restarted: {record}"
+    assert summary["ranks"][victim]["pid"] != before[victim]
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_tensor_parallel_kill_recovers_p2p_and_ends_equal(tmp_path: Path) -> None:
+    tp = ("--tp", "2")
+    reference = _finish(_launch(tmp_path / "tp-faultfree", script_args=tp), tmp_path / "tp-faultfree")
+    run_dir = tmp_path / "tp-killed"
+    summary = _finish(_launch(run_dir, "--spares", "1", "--fault", "kill:1:6", script_args=tp), run_dir)
+    _assert_equal(reference, summary)
+    (record,) = summary["recoveries"]
+    assert record["path"] == "p2p" and record["resumed_from_step"] == 5 and record["steps_lost"] == 0, record
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+@pytest.mark.parametrize(("flag", "message"), [
+    ("--plain-strategy", "nl.Trainer(strategy=...)=MegatronStrategy: CheckpointlessCallback needs the checkpointless "
+                         "strategy"),
+    ("--no-callback", "CheckpointlessMegatronStrategy needs CheckpointlessCallback"),
+])
+def test_a_strategy_and_callback_that_do_not_pair_stop_before_training(flag: str, message: str,
+                                                                       tmp_path: Path) -> None:
+    proc = _launch(tmp_path / "bad", script_args=(flag,))
+    out, _ = proc.communicate(timeout=TIMEOUT_S)
+    log = out.decode(errors="replace")
+    assert proc.returncode != 0 and "failed before training" in log, log[-3000:]
+    assert message in log, log[-3000:]
+    assert not list((tmp_path / "bad").glob("progress_rank*.txt")), "a rank trained"
