@@ -5,10 +5,13 @@
 - a rank chosen at random is SIGKILLed from the test at a random moment of training (the seed is printed: set
   NCL_TEST_SEED to replay it): the job ends bitwise-equal to the fault-free run (every rank's parameters,
   optimizer shard and RNG; the same global batches in the same order), and the healthy ranks keep their pids;
-- tensor parallelism (TP=2, DP=2, N=2): a kill at a step boundary recovers p2p from the rank that holds the same
-  TP slice in the other optimizer instance, and ends equal to the fault-free TP=2 run.
+- tensor and pipeline parallelism (TP=2 or PP=2, with DP=2, N=2): a kill at a step boundary recovers p2p from the
+  rank that holds the same TP/PP slice in the other optimizer instance, and ends equal to the fault-free run of the
+  same layout;
+- a strategy and a callback that do not pair (NeMo's own `MegatronStrategy` with our callback; our strategy without
+  it) stop the job before training with one message.
 
-Four launches (~55 s each on 2 cores). Skipped without the [nemo] extra.
+Eight launches (~40-60 s each on 2 cores). Skipped without the [nemo] extra.
 """
 
 from __future__ import annotations
@@ -96,11 +99,11 @@ def test_killed_at_a_random_moment_ends_equal_and_survivors_keep_their_pids(refe
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)
-def test_tensor_parallel_kill_recovers_p2p_and_ends_equal(tmp_path: Path) -> None:
-    tp = ("--tp", "2")
-    reference = _finish(_launch(tmp_path / "tp-faultfree", script_args=tp), tmp_path / "tp-faultfree")
-    run_dir = tmp_path / "tp-killed"
-    summary = _finish(_launch(run_dir, "--spares", "1", "--fault", "kill:1:6", script_args=tp), run_dir)
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2")], ids=["tp2", "pp2"])
+def test_model_parallel_kill_recovers_p2p_and_ends_equal(layout: tuple[str, str], tmp_path: Path) -> None:
+    reference = _finish(_launch(tmp_path / "faultfree", script_args=layout), tmp_path / "faultfree")
+    run_dir = tmp_path / "killed"
+    summary = _finish(_launch(run_dir, "--spares", "1", "--fault", "kill:1:6", script_args=layout), run_dir)
     _assert_equal(reference, summary)
     (record,) = summary["recoveries"]
     assert record["path"] == "p2p" and record["resumed_from_step"] == 5 and record["steps_lost"] == 0, record

@@ -84,7 +84,8 @@ def main() -> None:
         config=OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01, clip_grad=1.0,
                                use_distributed_optimizer=True),
         lr_scheduler=CosineAnnealingScheduler(max_steps=args.max_steps, warmup_steps=4, min_lr=3e-4))
-    parallel = dict(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, ckpt_async_save=False)
+    parallel = dict(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, ckpt_async_save=False,
+                    pipeline_dtype=torch.float32 if args.pp > 1 else None)
     strategy = (nl.MegatronStrategy(**parallel) if args.plain_strategy else
                 CheckpointlessMegatronStrategy(num_distributed_optimizer_instances=2, **parallel))
     callbacks = [Progress()] if args.no_callback else [CheckpointlessCallback(), Progress()]
