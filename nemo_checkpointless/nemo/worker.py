@@ -175,7 +175,11 @@ def _warm_up_kernels(cfg: Config, module: Any) -> None:
         positions = torch.arange(seq, device=device).unsqueeze(0).expand(mb, -1)
         mask = torch.ones(seq, seq, device=device).tril().view(1, 1, seq, seq) < 0.5
         loss = module.module(input_ids=tokens, position_ids=positions, attention_mask=mask, labels=tokens)
-        custom_backward(loss.float().sum(), None)
+        # Reduced as NeMo's masked token loss reduces it (times a loss mask, over its sum), so that the gradient
+        # reaching megatron's compiled cross-entropy backward is laid out as in a real step (a plain `sum()` hands
+        # it a stride-0 expanded tensor, and dynamo compiles the backward again in the first real step).
+        loss_mask = torch.ones(mb, seq, device=device)
+        custom_backward((loss.float() * loss_mask).sum() / loss_mask.sum(), None)
     finally:
         from nemo_checkpointless.nemo.restart import drop_megatron_groups
 
