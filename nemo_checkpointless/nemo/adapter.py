@@ -123,7 +123,8 @@ class MegatronParticipant:
                 for j, p in enumerate(group["params"]):
                     yield f"opt{i}.group{g}.param{j}", inner, group, p
 
-    def _model_params(self) -> Iterator[tuple[str, nn.Parameter]]:
+    def model_params(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Every model parameter, as `model.<chunk>.<name>` (this rank's TP/PP slice, whole)."""
         for c, chunk in enumerate(self.model):
             for name, p in chunk.named_parameters():
                 yield f"model.{c}.{name}", p
@@ -134,7 +135,7 @@ class MegatronParticipant:
             raise RuntimeError("boundary_state() before the first at_step_boundary(): no RNG snapshot yet")
         rng_meta, rng_tensors = self._boundary
         tensors: dict[str, torch.Tensor] = dict(rng_tensors)
-        for name, param in self._model_params():
+        for name, param in self.model_params():
             tensors[name] = param.detach()
         scalars: dict[str, Any] = {}
         groups: dict[str, dict[str, Any]] = {}
@@ -174,12 +175,12 @@ class MegatronParticipant:
             if meta[key] != getattr(self, key):
                 raise ValueError(f"state with {key}={meta[key]} offered to a rank with {key}={getattr(self, key)}: "
                                  "it belongs to another shard or layout")
-        expected = {n for n, _ in self._model_params()} | {f"{n}.main" for n, *_ in self._shard_params()}
+        expected = {n for n, _ in self.model_params()} | {f"{n}.main" for n, *_ in self._shard_params()}
         missing = sorted(expected - set(tensors))
         if missing:
             raise ValueError(f"state lacks {len(missing)} tensor(s), e.g. {missing[:3]}: another model or optimizer")
         with torch.no_grad():
-            for name, param in self._model_params():
+            for name, param in self.model_params():
                 _copy_checked(name, param, tensors[name])
             for name, inner, group, p in self._shard_params():
                 _copy_checked(f"{name}.main", p, tensors[f"{name}.main"])

@@ -5,9 +5,10 @@ Per step: the fault plan's faults (tests, benchmarks; each fires once per job, e
 record (the hash of what this rank trained on, under `data/<step>/<rank>` in the launcher's store), and the stamps
 the launcher turns into each recovery's record. At the end, every rank writes `RUN_DIR/nemo_rank<r>.json` (its
 pid and the sha256 of its parameters, optimizer shard and RNG), and rank 0 writes `RUN_DIR/worker_summary.json`
-(what `checkpointless-run` puts in `summary.json`): the final step, `state_sha256` (every rank's parameters and
-optimizer shard, in rank order: equal runs give equal hashes for the same layout) and `data_sha256` (the global
-batches, defined as on the Lightning path, so the two engines agree on it for the same data settings).
+(what `checkpointless-run` puts in `summary.json`): the final step, `state_sha256` (every TP/PP slice's parameters
+and optimizer state whole, `nemo.digest`: equal exactly when the states are bitwise equal, for 1 or N optimizer
+instances of the same layout) and `data_sha256` (the global batches, defined as on the Lightning path, so the two
+engines agree on it for the same data settings).
 
 It holds no store or process state of its own (NeMo deep-copies a trainer's callbacks for its io config): all of
 that is the strategy's session.
@@ -29,10 +30,12 @@ from typing_extensions import override
 from nemo_checkpointless.config import FaultSpec
 from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.nemo.data import take_step_digest
+from nemo_checkpointless.nemo.digest import slice_digest
 from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
 from nemo_checkpointless.protocol import FAULT_PLAN_ENV, RUN_DIR_ENV, TRAIN_START_KEY, mark_process_training
 from nemo_checkpointless.restart.faults import fire_faults
 from nemo_checkpointless.state.hashing import DataDigest, state_digest
+from nemo_checkpointless.topology import rank_info
 
 WORKER_SUMMARY = "worker_summary.json"
 
@@ -126,14 +129,21 @@ class CheckpointlessCallback(pl.Callback):
         tensors, _ = part.boundary_state()
         params = state_digest({k: v for k, v in tensors.items() if k.startswith("model.")}, {})
         shard = state_digest({k: v for k, v in tensors.items() if k.startswith("opt")}, {})
-        store.set(f"final/{step}/{rank}", f"{params}:{shard}")
+        # The slice's state whole (a collective over the ranks of this instance that hold the same TP/PP slice):
+        # the same for 1 or N optimizer instances of the same layout.
+        info = rank_info(session.dims, rank)
+        whole = slice_digest(part, strategy.optimizers[0], session.membership.group("digest", info.shard_group))
+        if info.instance == 0 and info.shard_group[0] == rank:
+            store.set(f"final/{step}/{rank}", whole)
         record = {"rank": rank, "pid": os.getpid(), "step": step, "params_sha256": params, "shard_sha256": shard,
                   "rng_sha256": state_digest({k: v for k, v in tensors.items() if k.startswith("rng.")}, {})}
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / f"nemo_rank{rank}.json").write_text(json.dumps(record, indent=1))
         if rank != 0:
             return
-        finals = [f"final/{step}/{r}" for r in range(world)]
+        leaders = sorted({rank_info(session.dims, r).shard_group[0] for r in range(world)
+                          if rank_info(session.dims, r).instance == 0})
+        finals = [f"final/{step}/{r}" for r in leaders]  # one per TP/PP slice, in rank order
         steps = [data_key(s, r) for s in range(1, step + 1) for r in range(world)]
         store.wait(finals + steps, datetime.timedelta(seconds=self.summary_timeout_s))
         state = hashlib.sha256("|".join(store.get(k).decode() for k in finals).encode()).hexdigest()

@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=12)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--instances", type=int, default=2, help="num_distributed_optimizer_instances")
     parser.add_argument("--plain-strategy", action="store_true", help="bad input: NeMo's own MegatronStrategy")
     parser.add_argument("--no-callback", action="store_true", help="bad input: our strategy without our callback")
     args = parser.parse_args()
@@ -87,7 +88,7 @@ def main() -> None:
     parallel = dict(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, ckpt_async_save=False,
                     pipeline_dtype=torch.float32 if args.pp > 1 else None)
     strategy = (nl.MegatronStrategy(**parallel) if args.plain_strategy else
-                CheckpointlessMegatronStrategy(num_distributed_optimizer_instances=2, **parallel))
+                CheckpointlessMegatronStrategy(num_distributed_optimizer_instances=args.instances, **parallel))
     callbacks = [Progress()] if args.no_callback else [CheckpointlessCallback(), Progress()]
     trainer = nl.Trainer(accelerator="cpu" if cpu else "gpu", devices=4, num_nodes=1, max_steps=args.max_steps,
                          strategy=strategy, callbacks=callbacks, logger=False,
