@@ -91,7 +91,9 @@ def test_killed_at_a_random_moment_ends_equal_and_survivors_keep_their_pids(refe
     summary = _finish(proc, run_dir)
     _assert_equal(reference, summary)
     (record,) = summary["recoveries"]
-    assert record["failed_ranks"] == [victim] and record["replacement"] == {str(victim): "warm spare"}, record
+    # The spare (started with the job: imports, model, warm-up) may still be starting when an early kill comes.
+    assert record["failed_ranks"] == [victim], record
+    assert record["replacement"][str(victim)] in ("warm spare", "starting spare"), record
     for r in range(4):
         if r != victim:
             assert summary["ranks"][r]["pid"] == before[r], f"rank {r} was restarted: {record}"

@@ -30,7 +30,24 @@ def job_pids(run_dir: str | os.PathLike[str], run_dir_var: str = RUN_DIR_ENV) ->
     return [pid for pid, env in live_processes() if env.get(run_dir_var) == str(run_dir)]
 
 
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def rank_pids(run_dir: str | os.PathLike[str], run_dir_var: str = RUN_DIR_ENV) -> dict[int, int]:
-    """rank -> pid of the run's live training ranks (spares waiting for a rank excluded)."""
-    return {int(env["RANK"]): pid for pid, env in live_processes()
-            if env.get(run_dir_var) == str(run_dir) and "RANK" in env and SPARE_ID_ENV not in env}
+    """rank -> pid of the run's live training ranks (spares waiting for a rank excluded). A rank's own children
+    (e.g. torch.compile's worker pool) inherit its environment: the rank is the one whose parent is not a process
+    of the same rank."""
+    candidates: dict[int, set[int]] = {}
+    for pid, env in live_processes():
+        if env.get(run_dir_var) == str(run_dir) and "RANK" in env and SPARE_ID_ENV not in env:
+            candidates.setdefault(int(env["RANK"]), set()).add(pid)
+    out = {}
+    for rank, pids in candidates.items():
+        top = sorted(pid for pid in pids if _parent(pid) not in pids)
+        if top:
+            out[rank] = top[0]
+    return out

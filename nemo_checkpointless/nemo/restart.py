@@ -23,6 +23,7 @@ import contextlib
 import functools
 import gc
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
 from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.nemo.adapter import MegatronParticipant, distributed_optimizers
+from nemo_checkpointless.protocol import SPARE_ID_ENV
 from nemo_checkpointless.restart.faults import InjectedFault
 from nemo_checkpointless.restart.groups import PeerFailure, alive_key, fault_generation, hang_key, reap
 from nemo_checkpointless.restart.recovery import RestartFromCheckpoint
@@ -71,6 +73,16 @@ class InProcessLauncher(_Launcher):
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         strategy = self.strategy
+        if SPARE_ID_ENV in os.environ and args and isinstance(args[0], torch.nn.Module):
+            # A hot spare of a user's script: compile what the first step compiles while it waits, not after it
+            # took a rank (a spare of the package's worker was warmed by its template: nothing left to do).
+            # `trainer.fit(model, datamodule)` passes the data module second (`llm.train` does), or as `datamodule=`
+            # Only with the job's micro-batch shape: compiled for another, the first step compiles again, for
+            # dynamic shapes, which takes longer than compiling once.
+            datamodule = next((a for a in args[1:4] if hasattr(a, "micro_batch_size")), None)
+            seq_len = getattr(getattr(args[0], "config", None), "seq_length", None)
+            if datamodule is not None and seq_len:
+                warm_up_kernels(args[0], int(datamodule.micro_batch_size), int(seq_len))
         global _HEAP_FROZEN
         if not _HEAP_FROZEN:  # once per process: what the script built before fit stays out of later collections
             freeze_heap()
@@ -104,6 +116,50 @@ class InProcessLauncher(_Launcher):
             print(f"[rank {session.env.rank}] recovered {how} in {time.time() - t:.2f} s (generation "
                   f"{session.membership.generation}, {abandoned} old groups abandoned, {gc_s:.2f} s to free the last "
                   "fit); entering fit again", flush=True)
+
+
+_WARM = False  # this process (or the template it was forked from) ran `warm_up_kernels`
+
+
+def warm_up_kernels(module: Any, micro_batch_size: int, seq_len: int, seed: int = 1234) -> None:
+    """A hot spare's warm-up, so that its first step after a join costs what a survivor's does: on a private one-rank
+    process group (never the job's), build `module`'s megatron model (TP = PP = 1) and run one forward and backward
+    on a dummy micro-batch of the job's shape, which compiles megatron's fused functions (`torch.compile`: 2.4 s
+    here for the tiny Llama) the way the job's step calls them. The backward goes through megatron's own
+    `custom_backward`, as its schedule does (`torch.autograd.backward` runs under another torch-function mode stack,
+    and dynamo would compile again), from a loss reduced as NeMo's masked token loss reduces it (a plain `sum()`
+    hands the compiled cross-entropy backward a stride-0 gradient, and dynamo compiles it again in the first real
+    step). Then the model, the group and megatron's state are dropped: the real `fit` builds the model again on the
+    job's groups and loads the state it receives. Once per process; never fatal (the first step compiles instead)."""
+    global _WARM
+    import torch.distributed as dist
+
+    if _WARM or dist.is_initialized():
+        return
+    _WARM = True
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.pipeline_parallel.schedules import custom_backward
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        module.configure_model()
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        tokens = torch.zeros(micro_batch_size, seq_len, dtype=torch.int64, device=device)
+        positions = torch.arange(seq_len, device=device).unsqueeze(0).expand(micro_batch_size, -1)
+        mask = torch.ones(seq_len, seq_len, device=device).tril().view(1, 1, seq_len, seq_len) < 0.5
+        loss = module.module(input_ids=tokens, position_ids=positions, attention_mask=mask, labels=tokens)
+        loss_mask = torch.ones(micro_batch_size, seq_len, device=device)
+        custom_backward((loss.float() * loss_mask).sum() / loss_mask.sum(), None)
+    except Exception as e:
+        print(f"spare warm-up: forward/backward failed ({type(e).__name__}: {e}); the first step after a join "
+              "will compile", flush=True)
+    finally:
+        if "module" in getattr(module, "_modules", {}):
+            del module.module
+        drop_megatron_groups()
+        dist.destroy_process_group()
 
 
 def freeze_heap() -> None:

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
-import torch.distributed as dist
 
 from nemo_checkpointless.config import Config, load_run_config
 from nemo_checkpointless.protocol import START_TIMEOUT_ENV
@@ -151,40 +150,9 @@ def warm_up(cfg: Config, run_dir: Path) -> None:
        and params, optimizer state and RNG arrive from the replica. A failure here costs only the speed-up."""
     module = build_model(cfg)  # the Lightning module only: megatron's model is configured in `fit`
     build_trainer(cfg, run_dir, build_strategy(cfg, run_dir))
-    try:
-        _warm_up_kernels(cfg, module)
-    except Exception as e:  # never fatal: the first real step compiles instead
-        print(f"spare warm-up: forward/backward failed ({type(e).__name__}: {e}); the first step after a join "
-              "will compile", flush=True)
+    from nemo_checkpointless.nemo.restart import warm_up_kernels
 
-
-def _warm_up_kernels(cfg: Config, module: Any) -> None:
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.pipeline_parallel.schedules import custom_backward
-
-    if dist.is_initialized():
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel(1, 1)
-        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-        module.configure_model()
-        mb, seq = cfg.data.micro_batch_size, cfg.data.seq_len
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        tokens = torch.zeros(mb, seq, dtype=torch.int64, device=device)
-        positions = torch.arange(seq, device=device).unsqueeze(0).expand(mb, -1)
-        mask = torch.ones(seq, seq, device=device).tril().view(1, 1, seq, seq) < 0.5
-        loss = module.module(input_ids=tokens, position_ids=positions, attention_mask=mask, labels=tokens)
-        # Reduced as NeMo's masked token loss reduces it (times a loss mask, over its sum), so that the gradient
-        # reaching megatron's compiled cross-entropy backward is laid out as in a real step (a plain `sum()` hands
-        # it a stride-0 expanded tensor, and dynamo compiles the backward again in the first real step).
-        loss_mask = torch.ones(mb, seq, device=device)
-        custom_backward((loss.float() * loss_mask).sum() / loss_mask.sum(), None)
-    finally:
-        from nemo_checkpointless.nemo.restart import drop_megatron_groups
-
-        drop_megatron_groups()
-        dist.destroy_process_group()
+    warm_up_kernels(module, cfg.data.micro_batch_size, cfg.data.seq_len, cfg.seed)
 
 
 def _prepare(run_dir: Path) -> tuple[Config, Any]:
