@@ -95,6 +95,17 @@ def test_the_strategy_checks_before_any_process_group(tmp_path: Path) -> None:
                                           "tp*cp*pp = 3"), results[3]
     assert results[4] == {"error": "num_distributed_optimizer_instances=4: is the same knob as num_instances=2, "
                                    "and they differ; pass only one of them"}
+    # The knob left to checkpointless-run's --num-instances (2 on an even world): its error names the flag; the
+    # script's own knob wins over it.
+    cases = [{"tensor_model_parallel_size": 4}, {"num_distributed_optimizer_instances": 1,
+                                                 "tensor_model_parallel_size": 4}]
+    proc = subprocess.run([sys.executable, str(TESTS / "scripts" / "nemo_strategy_checks.py"),
+                           *(json.dumps(c) for c in cases)], env={**env, "NCL_NUM_INSTANCES": "2"}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240, check=False)
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and len(results) == len(cases), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert results == [{"error": "checkpointless-run --num-instances=2: must divide the data-parallel size 1; "
+                                 "choose 1"}, {"num_instances": 1, "megatron": 1, "dp": 1}]
 
 
 @pytest.mark.nemo

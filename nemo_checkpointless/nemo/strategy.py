@@ -74,9 +74,13 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
                  num_distributed_optimizer_instances: int | None = None, global_batch_size: int = 0,
                  pg_timeout_s: float | None = None, checkpoint_every_n_steps: int | None = None,
                  checkpoint_dir: str | None = None, verify_checksum: bool = True, **kwargs: Any) -> None:
-        if num_instances is None and num_distributed_optimizer_instances is None and os.environ.get(NUM_INSTANCES_ENV):
+        from_launcher = (num_instances is None and num_distributed_optimizer_instances is None
+                         and bool(os.environ.get(NUM_INSTANCES_ENV)))
+        if from_launcher:
             num_instances = int(os.environ[NUM_INSTANCES_ENV])  # checkpointless-run --num-instances
         self.instances_key, num_instances = replication_knob(num_instances, num_distributed_optimizer_instances)
+        if from_launcher:  # a layout error then names what set it
+            self.instances_key = "checkpointless-run --num-instances"
         kwargs.setdefault("ddp", _distributed_optimizer_ddp())
         # Ranks come from the session (a spare learns its rank inside `fit`), not from the variables torchrun sets.
         kwargs.setdefault("cluster_environment", LightningEnvironment())
