@@ -15,6 +15,7 @@ import datetime
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "NCL_"
@@ -33,6 +34,10 @@ CHECKPOINT_DIR_ENV = f"{ENV_PREFIX}CHECKPOINT_DIR"
 NUM_INSTANCES_ENV = f"{ENV_PREFIX}NUM_INSTANCES"
 CACHE_ROOT_ENV = f"{ENV_PREFIX}CACHE_ROOT"  # where the job's shared-memory batch cache lives (default /dev/shm)
 FAULT_PLAN_ENV = f"{ENV_PREFIX}FAULT_PLAN"  # JSON list of {kind, rank, step}: test and benchmark faults
+
+# What rank 0's callback writes in the run directory at the end (both engines); the launcher merges it into
+# summary.json.
+WORKER_SUMMARY = "worker_summary.json"
 
 # ------------------------------------------------------------------------------------------------ store keys
 TRAIN_START_KEY = "job/train_start"  # set by rank 0 when it starts its first training step
@@ -147,3 +152,12 @@ def wait_for_assignment(store: Any, spare_id: int) -> Assignment:
         except RuntimeError as e:  # a timeout (a spare may wait for hours), or the store is gone
             if (launcher and os.getppid() != launcher) or "timeout" not in str(e).lower():
                 raise SystemExit(f"spare {spare_id}: the launcher is gone ({e}); exiting") from None
+
+
+def write_worker_summary(run_dir: str | os.PathLike[str], summary: dict[str, Any]) -> None:
+    """RUN_DIR/worker_summary.json, whole or not at all (written beside it, then renamed)."""
+    directory = Path(run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{WORKER_SUMMARY}.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.replace(directory / WORKER_SUMMARY)

@@ -29,6 +29,7 @@ from typing import Any
 
 from nemo_checkpointless.cli import importable
 from nemo_checkpointless.errors import ConfigError
+from nemo_checkpointless.protocol import WORKER_SUMMARY
 
 PROG = "checkpointless-run"
 # torchrun flags whose non-default values this launcher does not implement (dest -> default).
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chmod(run_dir, 0o700)
     if args.log_dir:
         print(f"{PROG}: note: logs go to {run_dir / 'logs'} (--log-dir is not used)", file=sys.stderr)
-    for stale in ("summary.json", "worker_summary.json"):
+    for stale in ("summary.json", WORKER_SUMMARY):
         (run_dir / stale).unlink(missing_ok=True)
     try:
         summary = run_local(cfg, run_dir, command=command, port=args.master_port)

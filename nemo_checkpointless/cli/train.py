@@ -16,6 +16,7 @@ import numpy as np
 from nemo_checkpointless.cli import importable
 from nemo_checkpointless.config import Config, save_run_config
 from nemo_checkpointless.errors import ConfigError
+from nemo_checkpointless.protocol import WORKER_SUMMARY
 
 USAGE = """usage: checkpointless-train [KEY=VALUE ...] [--cfg]
 
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(cfg.run.dir).absolute()
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)
-    for stale in ("summary.json", "worker_summary.json"):
+    for stale in ("summary.json", WORKER_SUMMARY):
         (run_dir / stale).unlink(missing_ok=True)
     save_run_config(cfg, run_dir)
     try:

@@ -481,7 +481,7 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None,
         remove_job_cache(cfg.data.cache_root, job_id)  # every rank has exited: nobody reads it any more
     # What rank 0's CheckpointlessCallback reports; a worker without the callback (tier 1: the launcher alone)
     # reports nothing, and the summary says only what the launcher saw.
-    path = run_dir / "worker_summary.json"
+    path = run_dir / protocol.WORKER_SUMMARY
     worker_summary: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     wall_s = round(time.perf_counter() - t0, 3)
     train_s: float | None = None

@@ -14,11 +14,15 @@ from typing_extensions import override
 
 from nemo_checkpointless.config import FaultSpec
 from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy
-from nemo_checkpointless.protocol import FAULT_PLAN_ENV, RUN_DIR_ENV, TRAIN_START_KEY, mark_process_training
+from nemo_checkpointless.protocol import (
+    FAULT_PLAN_ENV,
+    RUN_DIR_ENV,
+    TRAIN_START_KEY,
+    mark_process_training,
+    write_worker_summary,
+)
 from nemo_checkpointless.restart.faults import fire_faults
 from nemo_checkpointless.state.hashing import batch_hash
-
-WORKER_SUMMARY = "worker_summary.json"
 
 
 class CheckpointlessCallback(Callback):
@@ -92,7 +96,4 @@ class CheckpointlessCallback(Callback):
             "data_steps": strategy.data_digest.steps,
             "train_end_t": time.time(),
         }
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.run_dir / f".{WORKER_SUMMARY}.tmp"
-        tmp.write_text(json.dumps(summary, indent=2))
-        tmp.replace(self.run_dir / WORKER_SUMMARY)
+        write_worker_summary(self.run_dir, summary)

@@ -45,6 +45,7 @@ from nemo_checkpointless.replication import ShardedOptimizer
 from nemo_checkpointless.restart import Membership, PeerFailure
 from nemo_checkpointless.restart.recovery import Decision, RestartFromCheckpoint
 from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
+from nemo_checkpointless.restart.worker_env import die_by_signal
 from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
 from nemo_checkpointless.state.rng import capture_rng, restore_rng
 from nemo_checkpointless.topology import ParallelDims, rank_info
@@ -79,13 +80,8 @@ class _InProcessLauncher(_Launcher):
         return True
 
     def kill(self, signum: Any) -> None:
-        """Lightning calls this when the process gets SIGTERM. A rank told to stop from outside is a fault to
-        recover, like a crash: die by the signal now (its default action) rather than stop at the next step and
-        then hang in interpreter teardown, joining gloo threads of a collective the others are still in."""
-        import signal
-
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        """Lightning calls this when the process gets SIGTERM: `die_by_signal`."""
+        die_by_signal(signum)
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None,

@@ -6,8 +6,8 @@ record (the hash of what this rank trained on, under `data/<step>/<rank>` in the
 the launcher turns into each recovery's record. At the end, every rank writes `RUN_DIR/nemo_rank<r>.json` (its
 pid and the sha256 of its parameters, optimizer shard and RNG), and rank 0 writes `RUN_DIR/worker_summary.json`
 (what `checkpointless-run` puts in `summary.json`): the final step, `state_sha256` (every TP/PP slice's parameters
-and optimizer state whole, `nemo.digest`: equal exactly when the states are bitwise equal, for 1 or N optimizer
-instances of the same layout) and `data_sha256` (the global batches, defined as on the Lightning path, so the two
+and optimizer state whole, `nemo.digest`: equal exactly when the states are bitwise equal, however the shards are
+cut into 1 or N optimizer instances) and `data_sha256` (the global batches, defined as on the Lightning path, so the two
 engines agree on it for the same data settings).
 
 It holds no store or process state of its own (NeMo deep-copies a trainer's callbacks for its io config): all of
@@ -32,12 +32,16 @@ from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.nemo.data import take_step_digest
 from nemo_checkpointless.nemo.digest import slice_digest
 from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
-from nemo_checkpointless.protocol import FAULT_PLAN_ENV, RUN_DIR_ENV, TRAIN_START_KEY, mark_process_training
+from nemo_checkpointless.protocol import (
+    FAULT_PLAN_ENV,
+    RUN_DIR_ENV,
+    TRAIN_START_KEY,
+    mark_process_training,
+    write_worker_summary,
+)
 from nemo_checkpointless.restart.faults import fire_faults
 from nemo_checkpointless.state.hashing import DataDigest, state_digest
 from nemo_checkpointless.topology import rank_info
-
-WORKER_SUMMARY = "worker_summary.json"
 
 
 def data_key(step: int, rank: int) -> str:
@@ -129,8 +133,8 @@ class CheckpointlessCallback(pl.Callback):
         tensors, _ = part.boundary_state()
         params = state_digest({k: v for k, v in tensors.items() if k.startswith("model.")}, {})
         shard = state_digest({k: v for k, v in tensors.items() if k.startswith("opt")}, {})
-        # The slice's state whole (a collective over the ranks of this instance that hold the same TP/PP slice):
-        # the same for 1 or N optimizer instances of the same layout.
+        # The slice's state whole (a collective over the ranks of this instance that hold the same TP/PP slice),
+        # whatever the number of optimizer instances.
         info = rank_info(session.dims, rank)
         whole = slice_digest(part, strategy.optimizers[0], session.membership.group("digest", info.shard_group))
         if info.instance == 0 and info.shard_group[0] == rank:
@@ -152,6 +156,4 @@ class CheckpointlessCallback(pl.Callback):
             data.update([bytes.fromhex(store.get(data_key(s, r)).decode()) for r in range(world)])
         summary = {"final_step": step, "state_sha256": state, "data_sha256": data.hexdigest,
                    "data_steps": data.steps, "train_end_t": time.time()}
-        tmp = self.run_dir / f".{WORKER_SUMMARY}.tmp"
-        tmp.write_text(json.dumps(summary, indent=2))
-        tmp.replace(self.run_dir / WORKER_SUMMARY)
+        write_worker_summary(self.run_dir, summary)

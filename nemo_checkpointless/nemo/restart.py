@@ -37,6 +37,7 @@ from nemo_checkpointless.protocol import SPARE_ID_ENV
 from nemo_checkpointless.restart.faults import InjectedFault
 from nemo_checkpointless.restart.groups import PeerFailure, alive_key, fault_generation, hang_key, reap
 from nemo_checkpointless.restart.recovery import RestartFromCheckpoint
+from nemo_checkpointless.restart.worker_env import die_by_signal
 
 if TYPE_CHECKING:
     from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
@@ -64,12 +65,8 @@ class InProcessLauncher(_Launcher):
         return True
 
     def kill(self, signum: Any) -> None:
-        """A rank told to stop from outside is a fault to recover, like a crash: die by the signal now."""
-        import os
-        import signal
-
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        """Lightning calls this when the process gets SIGTERM: `die_by_signal`."""
+        die_by_signal(signum)
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         strategy = self.strategy
@@ -119,9 +116,10 @@ class InProcessLauncher(_Launcher):
 
 
 _WARM = False  # this process (or the template it was forked from) ran `warm_up_kernels`
+NEMO_DEFAULT_SEED = 1234  # the seed NeMo's `init_parallel_ranks` gives Megatron's RNG tracker
 
 
-def warm_up_kernels(module: Any, micro_batch_size: int, seq_len: int, seed: int = 1234) -> None:
+def warm_up_kernels(module: Any, micro_batch_size: int, seq_len: int, seed: int = NEMO_DEFAULT_SEED) -> None:
     """A hot spare's warm-up, so that its first step after a join costs what a survivor's does: on a private one-rank
     process group (never the job's), build `module`'s megatron model (TP = PP = 1) and run one forward and backward
     on a dummy micro-batch of the job's shape, which compiles megatron's fused functions (`torch.compile`: 2.4 s
@@ -283,21 +281,20 @@ def reset_for_reentry(trainer: Any) -> None:
     if hasattr(strategy, "megatron_parallel"):
         del strategy.megatron_parallel
     strategy.optimizers, strategy.lr_scheduler_configs = [], []
-    for chunk in [model]:
-        if "module" in chunk._modules:
-            del chunk.module
-        # MegatronParallel binds the megatron module's `set_input_tensor` onto the Lightning module (pipeline
-        # parallelism feeds each stage through it): bound to the dropped module, it would keep it alive and feed it.
-        chunk.__dict__.pop("set_input_tensor", None)
-        config = getattr(chunk, "config", None)
-        for name in _CONFIG_HOOKS:
-            if getattr(config, name, None) is not None:
-                setattr(config, name, None)
-        configure = chunk.__dict__.get("configure_optimizers")
-        while isinstance(configure, functools.partial):  # NeMo binds each fit's MegatronParallel to it
-            configure = configure.func
-        if configure is not None:
-            chunk.configure_optimizers = configure
+    if "module" in model._modules:
+        del model.module
+    # MegatronParallel binds the megatron module's `set_input_tensor` onto the Lightning module (pipeline
+    # parallelism feeds each stage through it): bound to the dropped module, it would keep it alive and feed it.
+    model.__dict__.pop("set_input_tensor", None)
+    config = getattr(model, "config", None)
+    for name in _CONFIG_HOOKS:
+        if getattr(config, name, None) is not None:
+            setattr(config, name, None)
+    configure = model.__dict__.get("configure_optimizers")
+    while isinstance(configure, functools.partial):  # NeMo binds each fit's MegatronParallel to it
+        configure = configure.func
+    if configure is not None:
+        model.configure_optimizers = configure
     # NeMo's optimizer and LR-scheduler modules keep what they built last (`_optimizers`, `_scheduler`): the failed
     # generation's optimizer, hence its DDP and groups, until the next fit replaced them.
     optim = getattr(model, "optim", None)

@@ -43,12 +43,11 @@ from typing_extensions import override  # noqa: E402
 from nemo_checkpointless.errors import ConfigError  # noqa: E402
 from nemo_checkpointless.nemo.adapter import MegatronParticipant  # noqa: E402
 from nemo_checkpointless.nemo.data import RecordingIterator  # noqa: E402
+from nemo_checkpointless.nemo.restart import NEMO_DEFAULT_SEED, InProcessLauncher  # noqa: E402
 from nemo_checkpointless.protocol import NUM_INSTANCES_ENV, STORE_PORT_ENV  # noqa: E402
 from nemo_checkpointless.restart.session import Session  # noqa: E402
 from nemo_checkpointless.state.checkpoint import CheckpointStore  # noqa: E402
 from nemo_checkpointless.topology import ParallelDims, rank_info  # noqa: E402
-
-NEMO_DEFAULT_SEED = 1234  # the seed NeMo's `init_parallel_ranks` gives Megatron's RNG tracker
 
 
 class CheckpointlessMegatronStrategy(MegatronStrategy):
@@ -129,10 +128,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         if self._session is not None:
             return
 
-        def dims(world: int) -> ParallelDims:
-            return self.job_dims(world)
-
-        session = Session.from_environ(dims, checkpoint_every=self._checkpoint_every_arg,
+        session = Session.from_environ(self.job_dims, checkpoint_every=self._checkpoint_every_arg,
                                        checkpoint_dir=self._checkpoint_dir_arg,
                                        collective_timeout_s=self.pg_timeout_s, verify_checksum=self._verify_checksum)
         timeout = session.membership.timeout_s
@@ -162,8 +158,6 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        from nemo_checkpointless.nemo.restart import InProcessLauncher
-
         if self.under_launcher:
             self._launcher = InProcessLauncher(self)
         else:

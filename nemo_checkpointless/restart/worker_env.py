@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 from nemo_checkpointless.protocol import ENV_PREFIX, LAUNCHER_PID_ENV, SPARE_ID_ENV
 from nemo_checkpointless.restart.groups import Membership, connect_store
 
-__all__ = ["ENV_PREFIX", "LAUNCHER_PID_ENV", "SPARE_ID_ENV", "WorkerEnv", "preload", "run_worker"]
+__all__ = ["ENV_PREFIX", "LAUNCHER_PID_ENV", "SPARE_ID_ENV", "WorkerEnv", "die_by_signal", "preload", "run_worker"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,16 @@ def preload(cfg: Any) -> None:
         install = getattr(module, "install", None)
         if callable(install):
             install()
+
+
+def die_by_signal(signum: Any) -> None:
+    """A rank told to stop from outside (e.g. SIGTERM, which Lightning's launcher hook receives) is a fault to
+    recover, like a crash: die by the signal now, its default action, rather than stop at the next step and then
+    hang in interpreter teardown, joining gloo threads of a collective the others are still in."""
+    import signal
+
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def run_worker(body: Callable[[], None]) -> NoReturn:
