@@ -122,6 +122,7 @@ def test_apply_makes_nemos_llama3_8b_recipe_checkpointless_and_validates_it(tmp_
     assert out["instances"] == [2, 2] and out["distributed_optimizer"] is True
     assert out["overlap_param_gather"] is False
     assert out["callbacks"] == [False, True] and out["callbacks_after_second_apply"] == 2
+    assert out["data"] == [True, True, True], "the data module is wrapped once, in MmapDataModule"
     assert out["three_instances"] == ("num_distributed_optimizer_instances=3: must divide the data-parallel size 8 "
                                       "(dp*cp = 4*2); choose 1, 2, 4 or 8")
     assert out["tp3"].startswith("world size (trainer devices x num_nodes)=8: must be a multiple of tp*cp*pp = 6")

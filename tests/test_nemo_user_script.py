@@ -3,8 +3,10 @@
 `CheckpointlessCallback`, `llm.train`) under `checkpointless-run --nproc-per-node 4 --spares 1`:
 
 - a rank chosen at random is SIGKILLed from the test at a random moment of training (the seed is printed: set
-  NCL_TEST_SEED to replay it): the job ends bitwise-equal to the fault-free run (every rank's parameters,
-  optimizer shard and RNG; the same global batches in the same order), and the healthy ranks keep their pids;
+  NCL_TEST_SEED to replay it), with the data module wrapped in `MmapDataModule` (tier 2): the job ends
+  bitwise-equal to the fault-free run without the wrapper (every rank's parameters, optimizer shard and RNG; the
+  same global batches in the same order), the healthy ranks keep their pids, and the replacement's micro-batches
+  came from the shared-memory cache;
 - tensor and pipeline parallelism (TP=2 or PP=2, with DP=2, N=2): a kill at a step boundary recovers p2p from the
   rank that holds the same TP/PP slice in the other optimizer instance, and ends equal to the fault-free run of the
   same layout;
@@ -80,7 +82,7 @@ def test_killed_at_a_random_moment_ends_equal_and_survivors_keep_their_pids(refe
     victim, after_step, delay = rng.randrange(4), rng.randrange(2, STEPS - 4), rng.uniform(0.0, 1.0)
     print(f"NCL_TEST_SEED={seed}: SIGKILL rank {victim} {delay:.2f} s after every rank completed step {after_step}")
     run_dir = tmp_path / "killed"
-    proc = _launch(run_dir, "--spares", "1")
+    proc = _launch(run_dir, "--spares", "1", script_args=("--mmap",))
     deadline = time.monotonic() + TIMEOUT_S
     while _progress(run_dir) < after_step:
         assert proc.poll() is None and time.monotonic() < deadline, "the job ended before the kill"
@@ -98,6 +100,7 @@ def test_killed_at_a_random_moment_ends_equal_and_survivors_keep_their_pids(refe
         if r != victim:
             assert summary["ranks"][r]["pid"] == before[r], f"rank {r} was restarted: {record}"
     assert summary["ranks"][victim]["pid"] != before[victim]
+    assert summary["ranks"][victim]["data_cache"]["hits"] > 0, summary["ranks"][victim]
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)

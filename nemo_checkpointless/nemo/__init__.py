@@ -1,9 +1,9 @@
 """NeMo 2 / megatron-core integration.
 
 `MegatronParticipant` (the recovery engine's view of Megatron's distributed-optimizer shards) needs megatron-core
-only. `CheckpointlessMegatronStrategy` (a NeMo `MegatronStrategy`), `CheckpointlessCallback` and `apply` (a NeMo
-recipe made checkpointless) import NeMo, so they are imported on first use: the package imports without the [nemo]
-extra.
+only. `CheckpointlessMegatronStrategy` (a NeMo `MegatronStrategy`), `CheckpointlessCallback`, `MmapDataModule`
+(tier 2 for a user's data module) and `apply` (a NeMo recipe made checkpointless) import NeMo, so they are imported
+on first use: the package imports without the [nemo] extra.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from nemo_checkpointless.nemo.adapter import MegatronParticipant, distributed_op
 
 if TYPE_CHECKING:
     from nemo_checkpointless.nemo.callback import CheckpointlessCallback
+    from nemo_checkpointless.nemo.data import MmapDataModule
     from nemo_checkpointless.nemo.recipe import apply
     from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
 
-__all__ = ["CheckpointlessCallback", "CheckpointlessMegatronStrategy", "MegatronParticipant", "apply",
-           "distributed_optimizers"]
+__all__ = ["CheckpointlessCallback", "CheckpointlessMegatronStrategy", "MegatronParticipant", "MmapDataModule",
+           "apply", "distributed_optimizers"]
 
 
 def __getattr__(name: str) -> Any:
@@ -30,6 +31,10 @@ def __getattr__(name: str) -> Any:
         from nemo_checkpointless.nemo.callback import CheckpointlessCallback
 
         return CheckpointlessCallback
+    if name == "MmapDataModule":
+        from nemo_checkpointless.nemo.data import MmapDataModule
+
+        return MmapDataModule
     if name == "apply":
         from nemo_checkpointless.nemo.recipe import apply
 

@@ -141,6 +141,9 @@ class CheckpointlessCallback(pl.Callback):
             store.set(f"final/{step}/{rank}", whole)
         record = {"rank": rank, "pid": os.getpid(), "step": step, "params_sha256": params, "shard_sha256": shard,
                   "rng_sha256": state_digest({k: v for k, v in tensors.items() if k.startswith("rng.")}, {})}
+        loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
+        if loader is not None:  # tier 2: how this fit's micro-batches were served (cache hits, direct reads, ...)
+            record["data_cache"] = dict(loader.stats)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / f"nemo_rank{rank}.json").write_text(json.dumps(record, indent=1))
         if rank != 0:

@@ -8,6 +8,10 @@ restore, whatever s (`CheckpointlessMegatronStrategy.process_dataloader` sets it
 (`data.loader=mmap`), a rank's own micro-batches come from the job's shared-memory cache (tier 2), prefetched by
 its batch group's writer, so a replacement's first batch is already there.
 
+`MmapDataModule` gives tier 2 to a user's data module (NeMo's `MockDataModule`, `PreTrainingDataModule`, any data
+module with Megatron's data sampler that builds its training dataset as `_train_ds` in `setup`): its training
+dataset is read through the job's shared-memory cache in the order Megatron's pretraining sampler draws it.
+
 `RecordingIterator` wraps the step's micro-batch iterator (`CheckpointlessMegatronStrategy.training_step`): it hashes
 each micro-batch the step actually consumes (a GPT batch: inputs plus the last label, the Lightning path's batch);
 `take_step_digest` returns the step's digest. Importing this module imports NeMo (the [nemo] extra).
@@ -16,6 +20,7 @@ each micro-batch the step actually consumes (a GPT batch: inputs plus the last l
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -24,9 +29,13 @@ import numpy as np
 import torch
 from nemo.lightning.pytorch.plugins import MegatronDataSampler
 
+from nemo_checkpointless.data.cache import data_version, fingerprint
 from nemo_checkpointless.data.loader import MmapBatchLoader
 from nemo_checkpointless.data.sampling import GlobalBatchPlan, IndexPermutation, TokenSequences
+from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.state.hashing import batch_hash
+
+log = logging.getLogger(__name__)
 
 _RECORDED: list[bytes] = []  # this process's micro-batch hashes since the last `take_step_digest`
 
@@ -108,6 +117,175 @@ class PlannedDataModule(pl.LightningDataModule):
 
     def teardown(self, stage: str = "") -> None:
         self.close()
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+            self.loader = None
+
+
+def _row(batch: Any, j: int) -> Any:
+    """Sample j of a collated batch (a tensor, or a dict/list/tuple of them), as the dataset returned it."""
+    if isinstance(batch, torch.Tensor):
+        return batch[j]
+    if isinstance(batch, dict):
+        return {k: _row(v, j) for k, v in batch.items()}
+    return type(batch)(_row(v, j) for v in batch)
+
+
+def _all_tensors(sample: Any) -> bool:
+    if isinstance(sample, torch.Tensor):
+        return True
+    if isinstance(sample, dict):
+        return all(isinstance(k, str) and _all_tensors(v) for k, v in sample.items())
+    if isinstance(sample, (list, tuple)):
+        return all(_all_tensors(v) for v in sample)
+    return False
+
+
+class CachedSamples(torch.utils.data.Dataset[Any]):
+    """A user's map-style training dataset read through this rank's `MmapBatchLoader`.
+
+    The loader's plan is Megatron's pretraining order (`GlobalBatchPlan(..., shuffle=False)`): position
+    `p * mb * DP + r * mb + j` is row j of DP rank r's micro-batch of plan step p. A position of this rank's own
+    micro-batch is served from the cache (verified there; read from the dataset on a miss), any other directly, so
+    the samples are the dataset's whatever the sampler asks for. Other attributes (e.g. `collate_fn`, which NeMo's
+    data modules hand their DataLoader) are the dataset's."""
+
+    def __init__(self, dataset: Any, loader: MmapBatchLoader) -> None:
+        self.dataset, self.loader = dataset, loader
+        self._step, self._batch = -1, None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, position: int) -> Any:
+        plan = self.loader.plan
+        step, k = divmod(int(position), plan.global_batch_size)
+        dp_rank, j = divmod(k, plan.micro_batch_size)
+        if dp_rank != self.loader.dp_rank or step >= self.loader.end_step:
+            return self.dataset[position]
+        if step != self._step:
+            self._batch, self._step = self.loader.batch(step), step
+        return _row(self._batch, j)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("dataset", "loader", "_step", "_batch"):  # not set yet (e.g. while unpickling): not the inner's
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+class MmapDataModule(pl.LightningDataModule):
+    """Tier 2 for a NeMo user's data module: `MmapDataModule(llm.MockDataModule(...))` in place of the module.
+
+    Under `checkpointless-run` each rank's training micro-batches come from the job's shared-memory cache: the lowest
+    rank of each batch group (the ranks that train on the same micro-batch) prefetches the next `prefetch` ones and
+    keeps the last `lookback`, so a replacement finds the batch it resumes on already there. The data position is
+    Megatron's sampler's, restored by `CheckpointlessMegatronStrategy` in O(1) (`step x global batch` samples), with
+    or without this wrapper. The batches are the same with and without it (every cached batch is verified, and a
+    miss reads the dataset). Started any other way, it is the module itself.
+
+    The module must build its training dataset as `_train_ds` in `setup` (NeMo's GPT data modules do), with samples
+    that are tensors or dicts/lists of tensors (otherwise the cache is not used: said once). Everything else (the
+    sampler, the tokenizer, the validation data, `state_dict`) is the wrapped module's.
+
+    Args:
+        module: the user's data module.
+        prefetch, lookback, cache_root: as `data.prefetch`, `data.lookback`, `data.cache_root` (default /dev/shm).
+    """
+
+    def __init__(self, module: pl.LightningDataModule, *, prefetch: int = 16, lookback: int = 4,
+                 cache_root: str | None = None) -> None:
+        super().__init__()
+        if not isinstance(module, pl.LightningDataModule):
+            raise ConfigError("MmapDataModule(module)", type(module).__name__,
+                              "must be a LightningDataModule (a NeMo data module)",
+                              "pass the data module itself, e.g. MmapDataModule(llm.MockDataModule(...))")
+        self.module = module
+        self.prefetch, self.lookback, self.cache_root = prefetch, lookback, cache_root
+        self.loader: MmapBatchLoader | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # What NeMo and the strategy read of a data module (micro_batch_size, seq_length, tokenizer, ...).
+        if name == "module" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+    @property
+    def data_sampler(self) -> Any:
+        return getattr(self.module, "data_sampler", None)
+
+    @data_sampler.setter
+    def data_sampler(self, sampler: Any) -> None:  # NeMo hands the strategy's sampler to the data module
+        self.module.data_sampler = sampler  # type: ignore[attr-defined]
+
+    def setup(self, stage: str = "") -> None:
+        self.module.trainer = self.trainer  # its setup may read the trainer (e.g. max_steps)
+        self.module.setup(stage)
+        strategy: Any = self.trainer.strategy if self.trainer is not None else None
+        session = getattr(strategy, "_session", None)
+        dataset = getattr(self.module, "_train_ds", None)
+        if session is None or dataset is None:
+            if session is not None:
+                log.warning("MmapDataModule: %s builds no `_train_ds` in setup; its batches are read directly",
+                            type(self.module).__name__)
+            return
+        if isinstance(dataset, CachedSamples):  # a module whose setup keeps its datasets (a re-entered fit)
+            dataset = dataset.dataset
+        self.module._train_ds = self._cached(dataset, session)  # type: ignore[attr-defined]
+
+    def _cached(self, dataset: Any, session: Any) -> Any:
+        from nemo_checkpointless.data.job import group_loader
+
+        sampler = self.data_sampler
+        mb = int(getattr(sampler, "micro_batch_size", 0) or getattr(self.module, "micro_batch_size", 0))
+        dims = session.dims
+        n = len(dataset)
+        if not mb or n < mb * dims.dp:
+            return dataset
+        probe = [dataset[0], dataset[n - 1]]
+        if not all(_all_tensors(s) for s in probe):
+            log.warning("MmapDataModule: the samples of %s are not tensors (or dicts/lists of them); its batches are "
+                        "read directly", type(dataset).__name__)
+            return dataset
+        plan = GlobalBatchPlan(n, mb, dims.dp, seed=0, shuffle=False)  # Megatron's pretraining order (DP excludes CP)
+        # Names the data: the batches of another dataset, length or layout are never read from the cache.
+        version = data_version(dataset=f"{type(dataset).__module__}.{type(dataset).__qualname__}", num_samples=n,
+                               micro_batch_size=mb, dp_size=plan.dp_size,
+                               probe=fingerprint(torch.utils.data.default_collate(probe)))
+        rank = session.env.rank
+        self.close()
+        self.loader = group_loader(session.store, rank=rank, dims=dims, run_dir=session.env.run_dir,
+                                   store_port=session.env.store_port, dataset=dataset, plan=plan,
+                                   end_step=plan.steps_per_epoch, version=version, cache_root=self.cache_root,
+                                   prefetch=self.prefetch, lookback=self.lookback, verify=False,
+                                   name=f"[rank {rank}]")
+        return CachedSamples(dataset, self.loader)
+
+    def prepare_data(self) -> None:
+        self.module.prepare_data()
+
+    def train_dataloader(self) -> Any:
+        return self.module.train_dataloader()
+
+    def val_dataloader(self) -> Any:
+        return self.module.val_dataloader()
+
+    def test_dataloader(self) -> Any:
+        return self.module.test_dataloader()
+
+    def predict_dataloader(self) -> Any:
+        return self.module.predict_dataloader()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.module.load_state_dict(state_dict)
+
+    def teardown(self, stage: str = "") -> None:
+        self.close()
+        self.module.teardown(stage)
 
     def close(self) -> None:
         if self.loader is not None:

@@ -17,7 +17,9 @@ What it changes, and nothing else:
   them, so a step boundary would have no full, current parameters to send a replacement);
 - `optim.config.use_distributed_optimizer=True` (the replicated shards are the distributed optimizer's; NeMo makes
   the DDP setting follow the optimizer's);
-- `trainer.callbacks` gets a `CheckpointlessCallback` (once).
+- `trainer.callbacks` gets a `CheckpointlessCallback` (once);
+- with `mmap=True` (the default), `data` is wrapped in `MmapDataModule` (tier 2: its training batches through the
+  job's shared-memory cache; once).
 
 The recipe's data module keeps Megatron's data sampler, whose position the strategy restores in O(1) after a
 recovery; its checkpointing (`log.ckpt`) and `resume` stay the recipe's (the persistent checkpoint a job falls back
@@ -31,7 +33,7 @@ from typing import Any
 from nemo_checkpointless.errors import ConfigError
 
 
-def apply(recipe: Any, num_instances: int = 2) -> Any:
+def apply(recipe: Any, num_instances: int = 2, mmap: bool = True) -> Any:
     """Make `recipe` checkpointless in place (see the module doc) and return it, validated: the strategy is built
     (no process group) and its layout checked at the recipe's world size (`trainer.devices x trainer.num_nodes`),
     so a bad `num_instances` or parallel layout raises `ConfigError` here, in NeMo's argument names."""
@@ -39,6 +41,7 @@ def apply(recipe: Any, num_instances: int = 2) -> Any:
     from nemo.lightning import MegatronStrategy
 
     from nemo_checkpointless.nemo.callback import CheckpointlessCallback
+    from nemo_checkpointless.nemo.data import MmapDataModule
     from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
 
     trainer = _attr(recipe, "trainer", "a NeMo recipe (llm.<model>.pretrain_recipe(...), a nemo_run Partial)")
@@ -67,6 +70,9 @@ def apply(recipe: Any, num_instances: int = 2) -> Any:
     if not any(getattr(c, "__fn_or_cls__", None) is CheckpointlessCallback for c in callbacks):
         callbacks.append(run.Config(CheckpointlessCallback))
     trainer.callbacks = callbacks
+    data = getattr(recipe, "data", None)
+    if mmap and data is not None and getattr(data, "__fn_or_cls__", None) is not MmapDataModule:
+        recipe.data = run.Config(MmapDataModule, module=data)
     validate(recipe)
     return recipe
 

@@ -13,7 +13,12 @@ import fiddle as fdl  # noqa: E402
 from nemo.collections import llm  # noqa: E402
 
 from nemo_checkpointless.errors import ConfigError  # noqa: E402
-from nemo_checkpointless.nemo import CheckpointlessCallback, CheckpointlessMegatronStrategy, apply  # noqa: E402
+from nemo_checkpointless.nemo import (  # noqa: E402
+    CheckpointlessCallback,
+    CheckpointlessMegatronStrategy,
+    MmapDataModule,
+    apply,
+)
 
 
 def recipe(tp: int = 1) -> object:
@@ -32,6 +37,7 @@ def error(make: object) -> str:
 
 original = recipe()
 before = dict(original.trainer.strategy.__arguments__)
+data_before = original.data.__fn_or_cls__
 applied = apply(original, num_instances=2)
 strategy = applied.trainer.strategy
 built = fdl.build(strategy)
@@ -44,6 +50,9 @@ out = {
     "distributed_optimizer": applied.optim.config.use_distributed_optimizer,
     "callbacks": [c.__fn_or_cls__ is CheckpointlessCallback for c in applied.trainer.callbacks],
     "callbacks_after_second_apply": again,
+    # (not built: NeMo's MockDataModule would fetch the recipe's tokenizer)
+    "data": [applied.data.__fn_or_cls__ is MmapDataModule, applied.data.module.__fn_or_cls__ is data_before,
+             apply(applied).data.module.__fn_or_cls__ is data_before],
     "three_instances": error(lambda: apply(recipe(), num_instances=3)),
     "tp3": error(lambda: apply(recipe(tp=3), num_instances=2)),
     "not_a_recipe": error(lambda: apply(recipe().trainer)),

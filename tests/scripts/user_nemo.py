@@ -28,7 +28,7 @@ from nemo.collections import llm
 from nemo.collections.llm.gpt.model.llama import Llama3Config
 from nemo.lightning.pytorch.optim import CosineAnnealingScheduler
 
-from nemo_checkpointless.nemo import CheckpointlessCallback, CheckpointlessMegatronStrategy
+from nemo_checkpointless.nemo import CheckpointlessCallback, CheckpointlessMegatronStrategy, MmapDataModule
 
 
 class ByteVocabulary:
@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--instances", type=int, default=2, help="num_distributed_optimizer_instances")
+    parser.add_argument("--mmap", action="store_true", help="tier 2: the data module wrapped in MmapDataModule")
     parser.add_argument("--plain-strategy", action="store_true", help="bad input: NeMo's own MegatronStrategy")
     parser.add_argument("--no-callback", action="store_true", help="bad input: our strategy without our callback")
     args = parser.parse_args()
@@ -81,6 +82,8 @@ def main() -> None:
     data = (CpuMockDataModule if cpu else llm.MockDataModule)(
         seq_length=64, micro_batch_size=2, global_batch_size=8, tokenizer=tokenizer, num_workers=0, pin_memory=False,
         num_train_samples=args.max_steps * 8, num_val_samples=8, num_test_samples=8)
+    if args.mmap:
+        data = MmapDataModule(data)
     optim = nl.MegatronOptimizerModule(
         config=OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01, clip_grad=1.0,
                                use_distributed_optimizer=True),
