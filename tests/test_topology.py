@@ -289,6 +289,20 @@ def test_rank_info_is_consistent(dims: ParallelDims) -> None:
 
 @PROPS
 @given(layouts())
+def test_checkpoint_slots_name_each_state_of_an_instance_once(dims: ParallelDims) -> None:
+    """Every instance's ranks hold the checkpoint slots 0..checkpoint_slots-1 once each (one file per TP/PP slice
+    and shard: no two ranks that write the checkpoint share a file), and replica peers hold the same slot."""
+    for instance in range(dims.num_instances):
+        slots = [rank_info(dims, r).checkpoint_slot for r in range(dims.world_size)
+                 if rank_info(dims, r).instance == instance]
+        assert sorted(slots) == list(range(dims.checkpoint_slots))
+    for r in range(dims.world_size):
+        info = rank_info(dims, r)
+        assert {rank_info(dims, p).checkpoint_slot for p in info.replica_peers} == {info.checkpoint_slot}
+
+
+@PROPS
+@given(layouts())
 def test_group_sizes(dims: ParallelDims) -> None:
     for groups, size in (
         (tensor_parallel_groups(dims), dims.tp),

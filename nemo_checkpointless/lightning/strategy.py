@@ -429,7 +429,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         if (every and step and step % every == 0 and self.info.instance == 0
                 and self.session.checkpoints is not None):
             tensors_out, meta_out = self.boundary_state()
-            self.session.checkpoints.save_shard(step, self.info.shard_index, tensors_out, meta_out,
+            self.session.checkpoints.save_shard(step, self.info.checkpoint_slot, tensors_out, meta_out,
                                                 shared_prefix="param.")
         return True
 

@@ -71,16 +71,19 @@ class MegatronParticipant:
             another layout.
         num_instances: `num_distributed_optimizer_instances`.
         shard_index: this rank's position inside its instance (`topology.rank_info(...).shard_index`).
+        tp_rank, pp_rank: its tensor- and pipeline-parallel slice of the model (the same shapes on every TP rank:
+            recorded, so that a state of another slice is refused rather than loaded).
         global_batch_size: samples per step, for the data position (`consumed_samples`).
     """
 
     def __init__(self, model: Sequence[nn.Module], optimizer: Any, *, dp_size: int, num_instances: int,
-                 shard_index: int, global_batch_size: int = 0) -> None:
+                 shard_index: int, tp_rank: int = 0, pp_rank: int = 0, global_batch_size: int = 0) -> None:
         self.model = list(model)
         self.optimizer = optimizer
         self.dp_size = dp_size
         self.num_instances = num_instances
         self.shard_index = shard_index
+        self.tp_rank, self.pp_rank = tp_rank, pp_rank
         self.global_batch_size = global_batch_size
         self.completed_steps = 0
         # 0 until the step in flight has reduced its gradients (set by the training loop; only phase 0 can be
@@ -156,6 +159,8 @@ class MegatronParticipant:
             "dp_size": self.dp_size,
             "num_instances": self.num_instances,
             "shard_index": self.shard_index,
+            "tp_rank": self.tp_rank,
+            "pp_rank": self.pp_rank,
             "state_scalars": scalars,
             "param_groups": groups,
             "rng": rng_meta,
@@ -171,8 +176,8 @@ class MegatronParticipant:
         Raises ValueError naming the mismatch when the state belongs to another layout or model."""
         if meta.get("version") != STATE_VERSION:
             raise ValueError(f"state version {meta.get('version')}, this build reads {STATE_VERSION}")
-        for key in ("dp_size", "num_instances", "shard_index"):
-            if meta[key] != getattr(self, key):
+        for key in ("dp_size", "num_instances", "shard_index", "tp_rank", "pp_rank"):
+            if meta.get(key, 0) != getattr(self, key):
                 raise ValueError(f"state with {key}={meta[key]} offered to a rank with {key}={getattr(self, key)}: "
                                  "it belongs to another shard or layout")
         expected = {n for n, _ in self.model_params()} | {f"{n}.main" for n, *_ in self._shard_params()}

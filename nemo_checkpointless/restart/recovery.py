@@ -152,7 +152,7 @@ class RecoveryEngine:
         self.checkpoints = checkpoints
         self.max_attempts = max_attempts
         self.verify_checksum = verify_checksum
-        self.shard_index = rank_info(dims, membership.rank).shard_index
+        self.checkpoint_slot = rank_info(dims, membership.rank).checkpoint_slot
         self.bytes_received = 0
         # Fault injection (fault.plan kind=corrupt): damage the next state sent, after its checksum is taken.
         self.corrupt_next_send = False
@@ -280,4 +280,4 @@ class RecoveryEngine:
         if step == 0:
             return
         assert self.checkpoints is not None
-        participant.load_state(*self.checkpoints.load_rank_state(step, self.shard_index))
+        participant.load_state(*self.checkpoints.load_rank_state(step, self.checkpoint_slot))

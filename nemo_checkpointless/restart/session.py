@@ -75,7 +75,7 @@ class Session:
                checkpoint_every: int, checkpoint_dir: str | None, verify_checksum: bool = True) -> Session:
         membership = Membership(store, env.rank, env.world_size, env.store_host, collective_timeout_s)
         ckpt_dir = checkpoint_dir or os.path.join(env.run_dir, "checkpoints")
-        checkpoints = CheckpointStore(ckpt_dir, dims.shard_size) if checkpoint_every else None
+        checkpoints = CheckpointStore(ckpt_dir, dims.checkpoint_slots) if checkpoint_every else None
         engine = RecoveryEngine(membership, dims, checkpoints, verify_checksum=verify_checksum)
         return cls(env, membership, dims, engine, checkpoints, checkpoint_every)
 

@@ -2,7 +2,9 @@
 
 Layout: `DIR/step_<NNNNNNNN>/shard_<p>.safetensors` (the shard's tensors; its JSON meta is one string of the
 safetensors metadata, under "meta"; no pickle) with `shard_<p>.json` beside it (size and sha256 of the
-.safetensors file, the shared prefix). Instance 0 writes it: the rank at shard position p writes shard p.
+.safetensors file, the shared prefix). Instance 0 writes it: the rank at checkpoint slot p (its TP/PP slice and
+optimizer shard: `topology.rank_info(...).checkpoint_slot`; the shard position in a data-parallel job) writes
+shard p.
 Tensors that are equal on every shard (the full parameters of a data-parallel job) may be written by shard 0 only:
 it names their prefix (`shared_prefix`), and `load_rank_state` adds them to every other shard it reads.
 

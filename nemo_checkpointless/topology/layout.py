@@ -215,6 +215,12 @@ class ParallelDims:
         """Ranks per distributed-optimizer instance within one dp-cp group (``dp_cp / num_instances``)."""
         return self.dp_cp // self.num_instances
 
+    @property
+    def checkpoint_slots(self) -> int:
+        """Distinct states one optimizer instance holds (``tp * pp * shard_size``): a rank's TP/PP slice of the
+        params with its optimizer shard. The persistent checkpoint has one file per slot."""
+        return self.tp * self.pp * self.shard_size
+
 
 def _dense_grid(dims: ParallelDims) -> _Grid:
     sizes = {"tp": dims.tp, "cp": dims.cp, "dp": dims.dp, "pp": dims.pp}
@@ -229,7 +235,9 @@ def _expert_grid(dims: ParallelDims) -> _Grid:
 @dataclass(frozen=True)
 class RankInfo:
     """Where one rank sits. ``shard_group``: its instance's ranks in its dp-cp group (Megatron's intra-instance
-    group); ``replica_peers``: the ranks holding the same optimizer shard, self included, sorted."""
+    group); ``replica_peers``: the ranks holding the same optimizer shard, self included, sorted;
+    ``checkpoint_slot``: which of the instance's ``checkpoint_slots`` states this rank holds (its TP/PP slice and
+    shard: ``(pp_rank * tp + tp_rank) * shard_size + shard_index``), the same for all its replica peers."""
 
     rank: int
     tp_rank: int
@@ -241,6 +249,7 @@ class RankInfo:
     shard_index: int
     shard_group: Group
     replica_peers: Group
+    checkpoint_slot: int
 
 
 def _check_rank(dims: ParallelDims, rank: int) -> None:
@@ -268,6 +277,7 @@ def rank_info(dims: ParallelDims, rank: int) -> RankInfo:
         shard_index=shard_index,
         shard_group=dp_cp[instance * size : (instance + 1) * size],
         replica_peers=dp_cp[shard_index::size],
+        checkpoint_slot=(c["pp"] * dims.tp + c["tp"]) * size + shard_index,
     )
 
 
