@@ -282,8 +282,22 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    # A user's own training script to launch with the recipe's launch settings instead of the package's worker
+    # (`checkpointless-train recipe=NAME script=train.py 'script_args=[--max-steps,8]'`): it gets the ranks, spares,
+    # replication, layout, collective timeout, checkpoint cadence, fault plan, run dir and preload modules; it
+    # builds its own model, data and optimizer, and runs its own number of steps.
+    script: str | None = None
+    script_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.script_args and self.script is None:
+            raise ConfigError("script_args", "[" + ",".join(self.script_args) + "]",
+                              "are the arguments of a script=PATH, and none is given",
+                              "add script=path/to/train.py, or drop script_args")
+        for i, arg in enumerate(self.script_args):
+            if not isinstance(arg, str):
+                raise ConfigError(f"script_args[{i}]", arg, "must be one argument (a string), not a list or a mapping",
+                                  "quote it to pass it as written, e.g. 'script_args=[--layers,\"[1,2]\"]'")
         if self.engine not in ENGINES:
             raise ConfigError("engine", self.engine, f"must be one of {', '.join(ENGINES)}",
                               "use lightning (plain PyTorch Lightning) or nemo (NeMo 2 / megatron-core)")
@@ -301,9 +315,11 @@ class Config:
             if not 0 <= spec.rank < world:
                 raise ConfigError(f"fault.plan[{i}].rank", spec.rank, f"must name a rank in 0..{world - 1}",
                                   f"the job has {world} ranks (trainer.devices x trainer.num_nodes)")
-            if not 1 <= spec.step <= self.trainer.max_steps:
+            # A user's script runs its own number of steps (trainer.max_steps is not passed to it).
+            last = self.trainer.max_steps if self.script is None else None
+            if not 1 <= spec.step <= (last or spec.step):
                 raise ConfigError(f"fault.plan[{i}].step", spec.step,
-                                  f"must be a step in 1..trainer.max_steps={self.trainer.max_steps}",
+                                  f"must be a step in 1..trainer.max_steps={last}" if last else "must be >= 1",
                                   "pick a step the run reaches")
 
     def dims(self) -> Any:

@@ -34,6 +34,15 @@ CHECKPOINT_DIR_ENV = f"{ENV_PREFIX}CHECKPOINT_DIR"
 NUM_INSTANCES_ENV = f"{ENV_PREFIX}NUM_INSTANCES"
 CACHE_ROOT_ENV = f"{ENV_PREFIX}CACHE_ROOT"  # where the job's shared-memory batch cache lives (default /dev/shm)
 FAULT_PLAN_ENV = f"{ENV_PREFIX}FAULT_PLAN"  # JSON list of {kind, rank, step}: test and benchmark faults
+# The recipe's model-parallel layout, set by `checkpointless-train recipe=NAME script=...` only (not by
+# checkpointless-run): a `CheckpointlessMegatronStrategy` built without a size takes it from here, one built with a
+# different size stops with a ConfigError. (variable, recipe key, MegatronStrategy argument) per size.
+TP_ENV = f"{ENV_PREFIX}TENSOR_MODEL_PARALLEL_SIZE"
+PP_ENV = f"{ENV_PREFIX}PIPELINE_MODEL_PARALLEL_SIZE"
+CP_ENV = f"{ENV_PREFIX}CONTEXT_PARALLEL_SIZE"
+LAYOUT_ENV = ((TP_ENV, "parallel.tp", "tensor_model_parallel_size"),
+              (PP_ENV, "parallel.pp", "pipeline_model_parallel_size"),
+              (CP_ENV, "parallel.cp", "context_parallel_size"))
 
 # What rank 0's callback writes in the run directory at the end (both engines); the launcher merges it into
 # summary.json.

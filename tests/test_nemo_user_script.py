@@ -9,11 +9,12 @@
   came from the shared-memory cache;
 - tensor and pipeline parallelism (TP=2 or PP=2, with DP=2, N=2): a kill at a step boundary recovers p2p from the
   rank that holds the same TP/PP slice in the other optimizer instance, and ends equal to the fault-free run of the
-  same layout;
+  same layout; with TP=2, both replicas of one slice lost at once fall back to the persistent checkpoint (one file
+  per slice) and end equal too;
 - a strategy and a callback that do not pair (NeMo's own `MegatronStrategy` with our callback; our strategy without
   it) stop the job before training with one message.
 
-Eight launches (~40-60 s each on 2 cores). Skipped without the [nemo] extra.
+Nine launches (~40-60 s each on 2 cores). Skipped without the [nemo] extra.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     run_dir = tmp_path_factory.mktemp("user_nemo") / "faultfree"
     summary = _finish(_launch(run_dir), run_dir)
     assert summary["final_step"] == STEPS and summary["recoveries"] == []
+    # DP=4, N=2: ranks r and r+2 hold the same shard (main params + optimizer state), bitwise; the two shards differ.
+    shards = [summary["ranks"][r]["shard_sha256"] for r in range(4)]
+    assert shards[0] == shards[2] != shards[1] == shards[3], shards
     return summary
 
 
@@ -112,6 +116,19 @@ def test_model_parallel_kill_recovers_p2p_and_ends_equal(layout: tuple[str, str]
     _assert_equal(reference, summary)
     (record,) = summary["recoveries"]
     assert record["path"] == "p2p" and record["resumed_from_step"] == 5 and record["steps_lost"] == 0, record
+    if layout[0] != "--tp":
+        return
+    # Both replicas of TP slice 1 (ranks 1 and 3) lost at once: the job falls back to the persistent checkpoint,
+    # which holds one file per TP slice (before `checkpoint_slot`, the two slices of a step wrote one file).
+    run_dir = tmp_path / "both"
+    summary = _finish(_launch(run_dir, "--spares", "2", "--checkpoint-every", "2", "--fault", "kill:1:6", "--fault",
+                              "exception:3:6", script_args=layout), run_dir)
+    _assert_equal(reference, summary)
+    (record,) = summary["recoveries"]
+    assert record["failed_ranks"] == [1, 3] and record["path"] == "checkpoint", record
+    assert record["resumed_from_step"] == 4 and record["steps_lost"] == 1 and "both replicas" in record["reason"]
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_00000004").iterdir()) == [
+        "shard_0.json", "shard_0.safetensors", "shard_1.json", "shard_1.safetensors"]
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)

@@ -92,6 +92,56 @@ def _explain(e: Exception, overrides: list[str]) -> ConfigError:
     return ConfigError("config", " ".join(overrides), first, "check the override")
 
 
+SCRIPT_ARGS_EXAMPLE = "'script_args=[--max-steps,8]'"
+
+
+def _list_elements(inner: str) -> list[str] | None:
+    """The elements of a list override's text between its brackets, each as written (a quoted one without its
+    quotes); None where that text is more than plain or quoted strings (nested lists, interpolations, escapes):
+    Hydra then reads it itself."""
+    out: list[str] = []
+    i, n = 0, len(inner)
+    if not inner.strip():
+        return out
+    while True:
+        while i < n and inner[i].isspace():
+            i += 1
+        if i < n and inner[i] in "'\"":
+            end = inner.find(inner[i], i + 1)
+            if end < 0 or "\\" in inner[i + 1:end]:
+                return None
+            element, i = inner[i + 1:end], end + 1
+            while i < n and inner[i].isspace():
+                i += 1
+        else:
+            end = inner.find(",", i)
+            end = n if end < 0 else end
+            element, i = inner[i:end].strip(), end
+            if not element or any(c in element for c in "[]{}()'\"\\$"):
+                return None
+        out.append(element)
+        if i >= n:
+            return out
+        if inner[i] != ",":
+            return None
+        i += 1
+
+
+def _script_args(override: str) -> str:
+    """`script_args=[...]` with every element quoted, so each reaches the script exactly as written (Hydra alone
+    would read 8 as an int, 3e-3 as 0.003 and true as True; and refuse --lr=3e-3 unquoted)."""
+    key, _, value = override.partition("=")
+    text = value.strip()
+    if not (text.startswith("[") and text.endswith("]")):
+        raise ConfigError("script_args", value, "must be a list: the script's arguments, in brackets",
+                          f"write e.g. {SCRIPT_ARGS_EXAMPLE} (quoted for the shell)")
+    elements = _list_elements(text[1:-1])
+    if elements is None:
+        return override
+    quoted = [f'"{e}"' if "'" in e else f"'{e}'" for e in elements]  # an element holds one kind of quote at most
+    return f"{key}=[{','.join(quoted)}]"
+
+
 def compose(overrides: list[str]) -> Config:
     """The validated `Config` for these command-line overrides; raises ConfigError (never a Hydra traceback)."""
     from hydra import compose as hydra_compose
@@ -101,8 +151,10 @@ def compose(overrides: list[str]) -> Config:
 
     bad = [o for o in overrides if "=" not in o]
     if bad:
-        raise ConfigError("override", bad[0], "is not of the form key=value",
-                          "write e.g. trainer.max_steps=40 (see --help)")
+        fix = (f"a script's own arguments go in script_args=[...], e.g. {SCRIPT_ARGS_EXAMPLE}" if bad[0].startswith("-")
+               else "write e.g. trainer.max_steps=40 (see --help)")
+        raise ConfigError("override", bad[0], "is not of the form key=value", fix)
+    overrides = [_script_args(o) if o.lstrip("+").split("=", 1)[0] == "script_args" else o for o in overrides]
     register_configs()
     _register_recipes()
     GlobalHydra.instance().clear()

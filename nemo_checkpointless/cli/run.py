@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,32 @@ def _fault_plan(specs: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+# Run with `python -u -c` as: PRELOAD (comma-separated modules) SCRIPT ARGS... Imports the modules first (calling
+# `install()` where a module has one, as the package's workers do with launcher.preload), then runs SCRIPT as
+# `python SCRIPT ARGS` would: `sys.argv`, `sys.path[0]` (the script's directory) and `__name__ == "__main__"`.
+_PRELOAD_BOOTSTRAP = """import importlib, os, runpy, sys
+for _name in sys.argv[1].split(","):
+    _install = getattr(importlib.import_module(_name), "install", None)
+    if callable(_install):
+        _install()
+sys.argv = sys.argv[2:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def script_command(script: str, args: Sequence[str], preload: Sequence[str] = (), key: str = "training_script",
+                   fix: str = "give the path of the training script") -> list[str]:
+    """What every rank (and spare) of a user's script file runs: `python -u SCRIPT ARGS`; with `preload` modules,
+    a bootstrap that imports them before the script runs (same `sys.argv`, `__main__`). `key`, `fix`: how a
+    missing file is named in the error (the flag or the override the user wrote)."""
+    if not os.path.isfile(script):
+        raise ConfigError(key, script, "is not a file", fix)
+    if not preload:
+        return [sys.executable, "-u", script, *args]
+    return [sys.executable, "-u", "-c", _PRELOAD_BOOTSTRAP, ",".join(preload), script, *args]
+
+
 def _command(args: argparse.Namespace) -> list[str]:
     script, rest = args.training_script, list(args.training_script_args)
     if args.no_python:
@@ -103,9 +130,7 @@ def _command(args: argparse.Namespace) -> list[str]:
         if not importable(script):
             raise ConfigError("-m", script, "is not an importable module here", "check the name and PYTHONPATH")
         return [sys.executable, "-u", "-m", script, *rest]
-    if not os.path.isfile(script):
-        raise ConfigError("training_script", script, "is not a file", "give the path of the training script")
-    return [sys.executable, "-u", script, *rest]
+    return script_command(script, rest)
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -159,28 +184,36 @@ def main(argv: list[str] | None = None) -> int:
         command = _command(args)
     except ConfigError as e:
         return _fail(str(e))
+    if args.log_dir:
+        print(f"{PROG}: note: logs go to {Path(cfg.run.dir).absolute() / 'logs'} (--log-dir is not used)",
+              file=sys.stderr)
+    return launch_script(cfg, command, PROG, port=args.master_port)
+
+
+def launch_script(cfg: Any, command: list[str], prog: str, port: int | None = None) -> int:
+    """Run a user's `command` on the job `cfg` describes (`run_local`: ranks, spares, recovery) and return the exit
+    code: checkpointless-run's launch, shared with `checkpointless-train recipe=NAME script=...`."""
     from nemo_checkpointless.launcher import LaunchError, run_local
 
     run_dir = Path(cfg.run.dir).absolute()
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)
-    if args.log_dir:
-        print(f"{PROG}: note: logs go to {run_dir / 'logs'} (--log-dir is not used)", file=sys.stderr)
     for stale in ("summary.json", WORKER_SUMMARY):
         (run_dir / stale).unlink(missing_ok=True)
     try:
-        summary = run_local(cfg, run_dir, command=command, port=args.master_port)
+        summary = run_local(cfg, run_dir, command=command, port=port)
     except LaunchError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return e.exit_code
     except ConfigError as e:
-        return _fail(str(e))
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     brief = {k: summary.get(k) for k in ("final_step", "wall_s", "state_sha256")}
     brief["recoveries"] = len(summary.get("recoveries", []))
-    print(f"{PROG}: done: {json.dumps(brief)}; summary in {run_dir / 'summary.json'}", file=sys.stderr)
+    print(f"{prog}: done: {json.dumps(brief)}; summary in {run_dir / 'summary.json'}", file=sys.stderr)
     return 0
 
 

@@ -1,6 +1,12 @@
 """`checkpointless-train [key=value ...]`: compose a recipe, prepare the data, launch the ranks, write the summary.
 
 With no arguments it runs the recipe `tiny_llama_cpu` on 4 CPU ranks with the embedded default corpus.
+
+With `script=PATH ['script_args=[ARG,...]']` it starts a user's own training script instead of the package's worker,
+with the recipe's launch settings, exactly as `checkpointless-run` would (`cli.run.launch_script`): the recipe's
+ranks, spares, replication, model-parallel layout, collective timeout, checkpoint cadence, fault plan, run dir and
+preload modules. The script builds its own model, data and optimizer: the recipe's are not passed (`--cfg` shows
+what is).
 """
 
 from __future__ import annotations
@@ -31,8 +37,16 @@ Common overrides:
   launcher.preload=[MODULE]          modules every rank imports first (engine=nemo on CPU: the tests' shim)
   seed=S                             random seed
   data.path=PREFIX                   token data PREFIX.bin + PREFIX.idx (see checkpointless-tokenize)
-  --cfg                              print the composed config and exit
+  script=PATH                        run your own training script with the recipe's launch settings
+  'script_args=[--max-steps,8]'      its arguments, each passed as written
+  --cfg                              print the composed config (with script=: what the script gets) and exit
 """
+
+# What a user's script does not get from the recipe (it builds its own model, data and optimizer).
+NOT_PASSED_TO_SCRIPT = ("model", "data (all but data.cache_root)", "optim", "seed", "trainer.max_steps",
+                        "trainer.accelerator", "trainer.precision", "trainer.accumulate_grad_batches",
+                        "trainer.log_every_n_steps", "trainer.progress_bar", "parallel.ep",
+                        "parallel.sequence_parallel")
 
 
 def prepare_data(cfg: Config) -> Config:
@@ -61,7 +75,8 @@ def prepare_data(cfg: Config) -> Config:
 def check_engine(cfg: Config) -> None:
     """engine=nemo: NeMo 2 must be installed, the job must fit this machine (the local launcher), and on CPU
     megatron-core's CUDA-only calls must be patched by a `launcher.preload` module (the package ships none; the
-    test suite's `tests/nemo_shim.py` is one)."""
+    test suite's `tests/nemo_shim.py` is one), unless the job runs a user's script (which may patch them itself,
+    as `tests/scripts/user_nemo.py` does)."""
     for i, name in enumerate(cfg.launcher.preload):
         if not importable(name):
             raise ConfigError(f"launcher.preload[{i}]", name, "is not an importable module here",
@@ -83,7 +98,7 @@ def check_engine(cfg: Config) -> None:
     if not importable("nemo"):
         raise ConfigError("engine", "nemo", f"recipe={recipe} runs on NeMo 2, which is not installed here",
                           "pip install -e '.[nemo]' (nemo_toolkit 2.7.x; docs/getting_started.md)")
-    if t.accelerator == "cpu" and not cfg.launcher.preload:
+    if t.accelerator == "cpu" and not cfg.launcher.preload and cfg.script is None:
         raise ConfigError("launcher.preload", "[]", "engine=nemo on CPU needs megatron-core's CUDA-only calls "
                           "patched, which this package does not ship",
                           "use the test suite's CPU shim: PYTHONPATH=tests checkpointless-train "
@@ -110,6 +125,83 @@ def check_lightning_path(cfg: Config) -> None:
                               f"use {key}={ok}, or a NeMo recipe (engine=nemo)")
 
 
+def check_script_engine(cfg: Config) -> None:
+    """engine=lightning with a user's script: `nemo_checkpointless.lightning.CheckpointlessStrategy` is
+    data-parallel only, on one machine (engine=nemo: `check_engine`)."""
+    p = cfg.parallel
+    for key, value in (("parallel.tp", p.tp), ("parallel.cp", p.cp), ("parallel.pp", p.pp), ("parallel.ep", p.ep)):
+        if value != 1:
+            raise ConfigError(key, value, f"recipe={cfg.recipe_name} is engine=lightning, whose CheckpointlessStrategy "
+                              "is data-parallel only", f"use {key}=1, or a NeMo recipe (engine=nemo) for a script "
+                              "on CheckpointlessMegatronStrategy")
+    if cfg.trainer.num_nodes != 1:
+        raise ConfigError("trainer.num_nodes", cfg.trainer.num_nodes, "checkpointless-train launches the ranks of "
+                          "one machine", "use trainer.num_nodes=1 here")
+
+
+def script_launch(cfg: Config) -> list[str]:
+    """A user's script under the recipe: the command every rank and spare runs (checkpointless-run's, with the
+    recipe's `launcher.preload` imported first). The launcher adds the recipe's model-parallel layout
+    (`protocol.LAYOUT_ENV`, which `CheckpointlessMegatronStrategy` takes) and `replication.num_instances` to every
+    process's environment (`_Job.torchrun_env`)."""
+    from nemo_checkpointless.cli.run import script_command
+
+    assert cfg.script is not None
+    return script_command(cfg.script, cfg.script_args, cfg.launcher.preload, key="script",
+                          fix="give the path of your training script (relative to this directory)")
+
+
+def script_environment(cfg: Config, command: list[str]) -> dict[str, str]:
+    """The package's variables (`protocol`, NCL_*) rank 0 of the job gets, computed by the launcher's own
+    `torchrun_env` (the code that sets them); the store's address, known at launch, left out."""
+    from typing import Any, cast
+
+    from nemo_checkpointless.launcher.local import _Job
+    from nemo_checkpointless.protocol import ENV_PREFIX, RUN_DIR_ENV
+
+    run_dir = Path(cfg.run.dir).absolute()
+    job = _Job(cfg, run_dir, store=cast(Any, None), port=0, worker_module="", command=command)
+    env = {k: v for k, v in job.torchrun_env(0).items() if k.startswith(ENV_PREFIX)}
+    return dict(sorted({**env, RUN_DIR_ENV: str(run_dir)}.items()))
+
+
+def describe_script_launch(cfg: Config) -> str:
+    """`--cfg` with script=: what the script is started with (YAML)."""
+    from omegaconf import OmegaConf
+
+    command = script_launch(cfg)
+    t, r, lc, p = cfg.trainer, cfg.replication, cfg.launcher, cfg.parallel
+    launch = {"trainer.devices": t.devices, "trainer.num_nodes": t.num_nodes, "ranks": t.world_size,
+              "replication.spares": r.spares, "replication.num_instances": r.num_instances,
+              "parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.cp": p.cp,
+              "launcher.collective_timeout_s": lc.collective_timeout_s, "launcher.max_restarts": lc.max_restarts,
+              "launcher.on_failure": lc.on_failure, "launcher.host": lc.host, "launcher.preload": list(lc.preload),
+              "checkpoint.every_n_steps": cfg.checkpoint.every_n_steps, "checkpoint.dir": cfg.checkpoint.dir,
+              "fault.plan": [vars(f) for f in cfg.fault.plan], "run.dir": cfg.run.dir}
+    view = {"recipe": cfg.recipe_name, "engine": cfg.engine, "script": cfg.script,
+            "script_args": list(cfg.script_args), "command": command, "launch": launch,
+            "environment": script_environment(cfg, command), "not_passed": list(NOT_PASSED_TO_SCRIPT)}
+    head = (f"# checkpointless-train recipe={cfg.recipe_name} script={cfg.script}: every rank runs `command` with "
+            "torchrun's variables plus `environment`;\n# the script builds its own model, data and optimizer "
+            "(`not_passed`: the recipe's settings it does not get)\n")
+    return head + OmegaConf.to_yaml(OmegaConf.create(view))
+
+
+def run_script(cfg: Config, show: bool) -> int:
+    """`checkpointless-train recipe=NAME script=PATH ...`: print what the script gets (`show`), or check the job
+    fits this machine and launch it as checkpointless-run does (a bad setting raises ConfigError first)."""
+    if show:
+        print(describe_script_launch(cfg))
+        return 0
+    command = script_launch(cfg)  # the script is not a file: the first thing to say
+    if cfg.engine == "lightning":
+        check_script_engine(cfg)
+    check_engine(cfg)
+    from nemo_checkpointless.cli.run import launch_script
+
+    return launch_script(cfg, command, "checkpointless-train")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
@@ -123,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         from nemo_checkpointless.cli.compose import compose
 
         cfg = compose(args)
+        if cfg.script is not None:
+            return run_script(cfg, show)
         if show:
             from omegaconf import OmegaConf
 

@@ -187,8 +187,11 @@ class _Job:
             env[protocol.CHECKPOINT_DIR_ENV] = self.cfg.checkpoint.dir
         if self.cfg.data.cache_root:
             env[protocol.CACHE_ROOT_ENV] = self.cfg.data.cache_root
-        if self.cfg.replication.num_instances > 1:
+        if self.cfg.replication.num_instances > 1 or self.cfg.script is not None:
             env[protocol.NUM_INSTANCES_ENV] = str(self.cfg.replication.num_instances)
+        if self.cfg.script is not None:  # a recipe's script= run: the recipe's layout, for the user's strategy
+            for name, key, _ in protocol.LAYOUT_ENV:
+                env[name] = str(getattr(self.cfg.parallel, key.split(".")[1]))
         if self.cfg.fault.plan:
             env[protocol.FAULT_PLAN_ENV] = json.dumps([vars(f) for f in self.cfg.fault.plan])
         error_file = self.run_dir / "logs" / f"error_rank{rank}.{len(self.pids.get(rank, []))}.json"

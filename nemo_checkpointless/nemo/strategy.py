@@ -44,7 +44,7 @@ from nemo_checkpointless.errors import ConfigError  # noqa: E402
 from nemo_checkpointless.nemo.adapter import MegatronParticipant  # noqa: E402
 from nemo_checkpointless.nemo.data import RecordingIterator  # noqa: E402
 from nemo_checkpointless.nemo.restart import NEMO_DEFAULT_SEED, InProcessLauncher  # noqa: E402
-from nemo_checkpointless.protocol import NUM_INSTANCES_ENV, STORE_PORT_ENV  # noqa: E402
+from nemo_checkpointless.protocol import LAYOUT_ENV, NUM_INSTANCES_ENV, STORE_PORT_ENV  # noqa: E402
 from nemo_checkpointless.restart.session import Session  # noqa: E402
 from nemo_checkpointless.state.checkpoint import CheckpointStore  # noqa: E402
 from nemo_checkpointless.topology import ParallelDims, rank_info  # noqa: E402
@@ -73,6 +73,24 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
                  num_distributed_optimizer_instances: int | None = None, global_batch_size: int = 0,
                  pg_timeout_s: float | None = None, checkpoint_every_n_steps: int | None = None,
                  checkpoint_dir: str | None = None, verify_checksum: bool = True, **kwargs: Any) -> None:
+        # The recipe's model-parallel layout (set only by `checkpointless-train recipe=NAME script=...`; see
+        # protocol.LAYOUT_ENV): a size the script leaves out is the recipe's, one it passes must be the recipe's.
+        if any(os.environ.get(name) for name, _, _ in LAYOUT_ENV):
+            import inspect
+
+            given = inspect.signature(MegatronStrategy.__init__).bind_partial(self, *args, **kwargs).arguments
+            for name, recipe_key, arg in LAYOUT_ENV:
+                if not os.environ.get(name):
+                    continue
+                size = int(os.environ[name])
+                if arg not in given:
+                    kwargs[arg] = size
+                elif given[arg] != size:
+                    raise ConfigError(arg, given[arg], f"the script's CheckpointlessMegatronStrategy({arg}="
+                                      f"{given[arg]}) differs from the recipe's {recipe_key}={size} "
+                                      "(checkpointless-train recipe=... script=...)",
+                                      f"drop {arg}= from the script to take the recipe's, or run with "
+                                      f"{recipe_key}={given[arg]}")
         from_launcher = (num_instances is None and num_distributed_optimizer_instances is None
                          and bool(os.environ.get(NUM_INSTANCES_ENV)))
         if from_launcher:
@@ -259,10 +277,11 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         assert self.dims is not None
         if not self.global_batch_size and self.data_sampler is not None:
             self.global_batch_size = int(getattr(self.data_sampler, "global_batch_size", 0) or 0)
+        info = rank_info(self.dims, self.global_rank)
         self.participant = MegatronParticipant(
             list(self.megatron_parallel), self.optimizers[0], dp_size=self.dims.dp_cp,
-            num_instances=self.num_instances, shard_index=rank_info(self.dims, self.global_rank).shard_index,
-            global_batch_size=self.global_batch_size)
+            num_instances=self.num_instances, shard_index=info.shard_index, tp_rank=info.tp_rank,
+            pp_rank=info.pp_rank, global_batch_size=self.global_batch_size)
         if self.resume is not None:
             self.participant.load_state(*self.resume)
             self.resume = None  # the tensors belong to the previous fit's model: drop them once loaded
@@ -301,9 +320,10 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         step = self.trainer.global_step
         self.participant.at_step_boundary(step)
         every, checkpoints = (self.session.checkpoint_every, self.session.checkpoints) if self._session else (0, None)
+        info = rank_info(self.dims, self.global_rank)
         if (every and step and step % every == 0 and step != self.resume_step and checkpoints is not None
-                and rank_info(self.dims, self.global_rank).instance == 0):
-            checkpoints.save_shard(step, self.participant.shard_index, *self.participant.boundary_state())
+                and info.instance == 0):  # one file per TP/PP slice and shard (`checkpoint_slot`)
+            checkpoints.save_shard(step, info.checkpoint_slot, *self.participant.boundary_state())
         # Each micro-batch the step consumes is hashed as Megatron's schedule draws it (the data record).
         return super().training_step(RecordingIterator(dataloader_iter), *args, **kwargs)
 
