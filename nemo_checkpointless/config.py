@@ -12,7 +12,7 @@ from typing import Any
 
 from nemo_checkpointless.errors import ConfigError
 
-FAULT_KINDS = ("kill", "exception", "corrupt", "hang")
+FAULT_KINDS = ("kill", "exception", "corrupt", "hang", "spin", "stall", "gil")
 ENGINES = ("lightning", "nemo")
 PRECISIONS = ("32-true", "bf16-mixed")
 
@@ -232,6 +232,10 @@ class LauncherConfig:
 
     host: str = "127.0.0.1"
     collective_timeout_s: float = 30.0
+    # The progress watchdog (launcher.watchdog): a rank whose progress beacon has not moved for this long, and that
+    # is stopped, busy or idle behind the others, is declared hung and replaced. 0: max(5 s, 10 x p95 step time);
+    # negative: off (the collective timeout alone finds hangs).
+    hang_deadline_s: float = 0.0
     start_timeout_s: float = 300.0
     threads_per_rank: int = 1
     # Faults in a row whose recovery did not complete (complete: every rank finished a step after it). A job that

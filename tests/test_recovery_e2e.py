@@ -107,15 +107,41 @@ def test_a_transfer_that_fails_its_checksum_falls_back_to_checkpoint(
 
 
 def test_a_hung_rank_is_found_by_the_watchdog_and_replaced(workdir: Path, reference: dict[str, Any]) -> None:
-    """Rank 2 is SIGSTOPped: nobody sees a death. The survivors' collectives time out, they check in with the
-    launcher, the one rank that never does is killed and replaced from its replica."""
+    """Rank 2 is SIGSTOPped: nobody sees a death. With the progress watchdog off, the backup: the survivors'
+    collectives time out, they check in with the launcher, the one rank that never does is killed and replaced from
+    its replica."""
     summary = run_job(workdir, "hang", "replication.num_instances=2", "replication.spares=1",
-                      "launcher.collective_timeout_s=3", "fault.plan=[{kind:hang,rank:2,step:8}]")
+                      "launcher.collective_timeout_s=3", "launcher.hang_deadline_s=-1",
+                      "fault.plan=[{kind:hang,rank:2,step:8}]")
     assert_equal_to(reference, summary)
     (rec,) = summary["recoveries"]
     assert rec["fault_kind"] == "hang" and rec["failed_ranks"] == [2] and rec["path"] == "p2p", rec
-    assert rec["steps_lost"] == 0 and rec["detect_s"] >= 2.5, rec  # found by the 3 s collective timeout
+    assert rec["steps_lost"] == 0 and rec["detect_s"] >= 2.5 and "hang" not in rec, rec  # the 3 s timeout
     assert_healthy_kept_pids(summary)
+
+
+def test_the_progress_watchdog_finds_hung_ranks_in_seconds(workdir: Path, reference: dict[str, Any]) -> None:
+    """With a 30 s collective timeout, four hangs no socket reveals: rank 2 SIGSTOPped, rank 1 in a Python loop
+    that never ends, rank 3 blocked in a native call that holds the GIL, rank 0 asleep before its step's
+    collectives. The launcher's progress watchdog (the default deadline: its 5 s floor, 10 x p95 of these steps
+    being far less) finds each from the ranks' beacons and /proc, kills it, and the job recovers p2p, ending
+    equal; the downtime is at most the deadline + 1 s."""
+    plan = "{kind:hang,rank:2,step:5},{kind:spin,rank:1,step:10},{kind:gil,rank:3,step:15},{kind:stall,rank:0,step:20}"
+    summary = run_job(workdir, "watchdog", "replication.num_instances=2", "replication.spares=1",
+                      "launcher.collective_timeout_s=30", f"fault.plan=[{plan}]")
+    assert_equal_to(reference, summary)
+    recs = summary["recoveries"]
+    assert [(r["fault_kind"], r["failed_ranks"], r["path"]) for r in recs] == [
+        ("hang", [2], "p2p"), ("spin", [1], "p2p"), ("gil", [3], "p2p"), ("stall", [0], "p2p")], recs
+    why = [next(iter(r["hang"].values())) for r in recs]
+    assert why[0].startswith("stopped (state T)") and why[1].startswith("busy without progress"), why
+    for text, step in ((why[2], 15), (why[3], 20)):
+        assert text.startswith(f"idle at step {step}, step start") and f"waits at step {step}" in text, why
+    for rec in recs:
+        assert rec["detect_s"] > 4.5 and rec["recover_s"] < 5 + 1, rec  # the deadline, not the collective timeout
+        assert rec["steps_lost"] == 0, rec
+    assert_healthy_kept_pids(summary)
+    print(json.dumps([{k: r[k] for k in ("fault_kind", "detect_s", "recover_s", "hang")} for r in recs], indent=1))
 
 
 def test_single_instance_falls_back_to_checkpoint_with_a_cold_replacement(

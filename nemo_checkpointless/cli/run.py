@@ -59,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     ours.add_argument("--on-failure", "--on_failure", choices=("recover", "restart_all"), default="recover",
                       help="restart_all: restart every rank on a failure (the baseline a job restart gives)")
     ours.add_argument("--fault", action="append", default=[], metavar="KIND:RANK:STEP",
-                      help="inject a fault (tests, benchmarks): kill, hang, exception or corrupt")
+                      help="inject a fault (tests, benchmarks): kill, hang, spin, stall, gil, exception or corrupt")
+    ours.add_argument("--hang-deadline", "--hang_deadline", type=float, default=0.0, metavar="S",
+                      help="the progress watchdog's deadline: a rank without progress this long (stopped, busy, or "
+                           "idle behind the others) is replaced; 0: max(5 s, 10 x p95 step time); < 0: off")
     parser.set_defaults(max_restarts=3)
     return parser
 
@@ -173,7 +176,8 @@ def _config(args: argparse.Namespace) -> Any:
         checkpoint=replace(cfg.checkpoint, every_n_steps=args.checkpoint_every),
         fault=replace(cfg.fault, plan=[FaultSpec(**f) for f in plan]),
         launcher=replace(cfg.launcher, host=args.master_addr, max_restarts=args.max_restarts,
-                         collective_timeout_s=args.collective_timeout, on_failure=args.on_failure))
+                         collective_timeout_s=args.collective_timeout, on_failure=args.on_failure,
+                         hang_deadline_s=args.hang_deadline))
 
 
 def main(argv: list[str] | None = None) -> int:

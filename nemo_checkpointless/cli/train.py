@@ -174,7 +174,8 @@ def describe_script_launch(cfg: Config) -> str:
     launch = {"trainer.devices": t.devices, "trainer.num_nodes": t.num_nodes, "ranks": t.world_size,
               "replication.spares": r.spares, "replication.num_instances": r.num_instances,
               "parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.cp": p.cp,
-              "launcher.collective_timeout_s": lc.collective_timeout_s, "launcher.max_restarts": lc.max_restarts,
+              "launcher.collective_timeout_s": lc.collective_timeout_s, "launcher.hang_deadline_s": lc.hang_deadline_s,
+              "launcher.max_restarts": lc.max_restarts,
               "launcher.on_failure": lc.on_failure, "launcher.host": lc.host, "launcher.preload": list(lc.preload),
               "checkpoint.every_n_steps": cfg.checkpoint.every_n_steps, "checkpoint.dir": cfg.checkpoint.dir,
               "fault.plan": [vars(f) for f in cfg.fault.plan], "run.dir": cfg.run.dir}

@@ -27,6 +27,7 @@ from nemo_checkpointless import protocol
 from nemo_checkpointless.config import Config
 from nemo_checkpointless.data.cache import new_job_id, remove_job_cache
 from nemo_checkpointless.launcher.spares import ForkedSpare, SpareFactory, become_child_subreaper
+from nemo_checkpointless.launcher.watchdog import HangWatch
 from nemo_checkpointless.protocol import (
     ENV_PREFIX,
     FAULT_KEY,
@@ -137,6 +138,9 @@ class _Job:
     hang_deadline: float | None = None
     hang_handled: set[int] = field(default_factory=set)  # generations whose hang report was acted on
     hung: set[int] = field(default_factory=set)
+    progress: HangWatch | None = None  # the progress watchdog (`watch_progress`)
+    progress_generation: int = -1
+    hang_reasons: dict[int, str] = field(default_factory=dict)  # rank -> why the watchdog declared it hung
     in_process: bool = False  # a process of the job runs CheckpointlessStrategy (see `recovers_in_process`)
 
     def process_env(self, extra_env: dict[str, str]) -> dict[str, str]:
@@ -230,6 +234,7 @@ class _Job:
         """Declare the current generation failed, give each failed rank a process, publish the next generation."""
         t_seen = time.time()
         self.generation += 1
+        self.hang_deadline = None  # a check-in round of the failed generation (`watch_hangs`) ends with it
         self.unrecovered += 1
         if self.unrecovered > self.cfg.launcher.max_restarts:
             raise LaunchError(f"rank(s) {failed} failed; {self.unrecovered - 1} faults in a row did not recover "
@@ -290,12 +295,14 @@ class _Job:
                        | {"hang" for r in failed if r in self.hung and r not in injected}) or ["crash"]
         if not failed:
             kinds = ["timeout"]
+        self.hung.difference_update(failed)  # their replacements start unsuspected
         # The step the fault interrupted, when known (an injected fault says it): ranks stamp when they are
         # back there, which is how a recovery and a whole-job restart are compared.
         target = min((i["step"] for i in injected.values()), default=None)
         self.faults.append({"generation": self.generation, "failed_ranks": failed, "fault_kind": "+".join(kinds),
                             "fault_t": fault_t, "exit_codes": {str(r): codes[r] for r in failed},
                             "target_step": target, "restart_all": restart_all,
+                            "hang": {str(r): self.hang_reasons.pop(r) for r in failed if r in self.hang_reasons},
                             "replacement": {str(r): how.get(r, "whole-job restart") for r in failed}})
         self.store.set(generation_info_key(self.generation),
                        protocol.GenerationInfo(failed, fault_t, target).to_json())
@@ -326,6 +333,22 @@ class _Job:
         for r in silent:
             self.hung.add(r)
             self.ranks[r].popen.kill()
+
+    def watch_progress(self, codes: dict[int, int | None]) -> None:
+        """The progress watchdog (`launcher.watchdog.HangWatch`): a rank it finds hung is killed, which the next
+        poll handles as the rank's death (a fault of kind `hang`, replaced like a crash)."""
+        if self.progress is None:
+            self.progress = HangWatch(self.run_dir, self.cfg.launcher.hang_deadline_s)
+        if self.progress_generation != self.generation:
+            self.progress.reset()
+            self.progress_generation = self.generation
+        live = {r: self.ranks[r].popen.pid for r, c in codes.items() if c is None and r not in self.hung}
+        for rank, why in self.progress.check(live):
+            print(f"checkpointless: rank {rank} is hung: {why} (no progress for longer than the "
+                  f"{self.progress.deadline():.1f} s deadline); replacing it", file=sys.stderr, flush=True)
+            self.hung.add(rank)
+            self.hang_reasons[rank] = why
+            self.ranks[rank].popen.kill()
 
     def recovers_in_process(self) -> bool:
         """Whether the job's processes recover in place (they run `CheckpointlessStrategy`). A user's script whose
@@ -418,6 +441,7 @@ class _Job:
                 "reason": next((r["reason"] for r in recs.values()), ""),
                 "exit_codes": fault["exit_codes"],
                 "replacement": fault["replacement"],
+                **({"hang": fault["hang"]} if fault.get("hang") else {}),  # why the watchdog declared it hung
             })
         return out
 
@@ -464,6 +488,7 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None,
             if all(c == 0 for c in codes.values()):
                 break
             job.watch_hangs(codes)
+            job.watch_progress(codes)
             if job.unrecovered and job.recovery_done(job.generation):
                 job.unrecovered = 0  # the restart budget counts failures in a row, not the run's recoveries
             if job.refill and job.recovery_done(job.generation):

@@ -21,6 +21,7 @@ from nemo_checkpointless.protocol import (
     mark_process_training,
     write_worker_summary,
 )
+from nemo_checkpointless.restart import progress
 from nemo_checkpointless.restart.faults import fire_faults
 from nemo_checkpointless.state.hashing import batch_hash
 
@@ -76,6 +77,7 @@ class CheckpointlessCallback(Callback):
         strategy = self._strategy(trainer)
         if strategy.at_step_boundary():
             mark_process_training(strategy.membership.store)
+            strategy.session.beacon.mark(trainer.global_step + 1, progress.STEP_START)
             self._maybe_fail(strategy, trainer.global_step + 1)
         strategy.record_batch_hash(batch_hash(batch))
 

@@ -42,7 +42,7 @@ from typing_extensions import override
 from nemo_checkpointless import protocol
 from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.replication import ShardedOptimizer
-from nemo_checkpointless.restart import Membership, PeerFailure
+from nemo_checkpointless.restart import Membership, PeerFailure, progress
 from nemo_checkpointless.restart.recovery import Decision, RestartFromCheckpoint
 from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
 from nemo_checkpointless.restart.worker_env import die_by_signal
@@ -428,6 +428,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         every = self.session.checkpoint_every
         if (every and step and step % every == 0 and self.info.instance == 0
                 and self.session.checkpoints is not None):
+            self.session.beacon.mark(step, progress.CHECKPOINT)
             tensors_out, meta_out = self.boundary_state()
             self.session.checkpoints.save_shard(step, self.info.checkpoint_slot, tensors_out, meta_out,
                                                 shared_prefix="param.")
@@ -450,6 +451,8 @@ class CheckpointlessStrategy(ParallelStrategy):
         if self._replaying:  # the last micro-batch of a replayed step: a failure goes to `optimizer_step`
             return super().training_step(*args, **kwargs)
         self._step_calls.append((args, kwargs))
+        beacon, step = self.session.beacon, self._in_flight_step()
+        beacon.mark(step, progress.FORWARD)
         replay = False
         while True:
             try:
@@ -458,7 +461,9 @@ class CheckpointlessStrategy(ParallelStrategy):
                     # batches before this one again (their forward, collectives and backward), then this one.
                     self._replay(len(self._step_calls) - 1)
                     replay = False
-                return super().training_step(*args, **kwargs)
+                out = super().training_step(*args, **kwargs)
+                beacon.mark(step, progress.BACKWARD_DONE)
+                return out
             except PeerFailure as failure:
                 self._recover(failure)
                 replay = True
@@ -492,8 +497,11 @@ class CheckpointlessStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         model = model or self.lightning_module
         assert self.sharded is not None and self._pending_batch_hash is not None
+        beacon, step = self.session.beacon, self._in_flight_step()
+        beacon.mark(step, progress.OPTIMIZER)
         # Forward + backward (and Lightning's on_before_optimizer_step hooks) through the precision plugin.
         result = self.precision_plugin._wrap_closure(model, optimizer, closure)
+        beacon.mark(step, progress.GRAD_SYNC)
         side = encode_hash(self._pending_batch_hash, self.global_rank, self.world_size)
         replay = False
         while True:
@@ -520,7 +528,12 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._pending_batch_hash = None
         self._in_step = False
         self.session.stamps.stamp(self.sharded.completed_steps)
+        beacon.mark(self.sharded.completed_steps, progress.STEP_DONE)
         return result
+
+    def _in_flight_step(self) -> int:
+        assert self.sharded is not None
+        return self.sharded.completed_steps + 1
 
     # ------------------------------------------------------------------------- the recovery engine's view
     def progress(self) -> tuple[int, int]:

@@ -39,6 +39,7 @@ from nemo_checkpointless.protocol import (
     mark_process_training,
     write_worker_summary,
 )
+from nemo_checkpointless.restart import progress
 from nemo_checkpointless.restart.faults import fire_faults
 from nemo_checkpointless.state.hashing import DataDigest, state_digest
 from nemo_checkpointless.topology import rank_info
@@ -98,6 +99,7 @@ class CheckpointlessCallback(pl.Callback):
         def corrupt() -> None:
             session.engine.corrupt_next_send = True
 
+        session.beacon.mark(trainer.global_step + 1, progress.STEP_START)
         fire_faults(self.fault_plan, session.env.rank, trainer.global_step + 1, store, corrupt)
 
     @override
@@ -115,6 +117,7 @@ class CheckpointlessCallback(pl.Callback):
         if digest is not None:
             session.store.set(data_key(step, session.env.rank), digest.hex())
         session.stamps.stamp(step)
+        session.beacon.mark(step, progress.BATCH_END)
         loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
         first = getattr(loader, "first_batch", None)
         if first and first["step"] and not first.get("reported"):

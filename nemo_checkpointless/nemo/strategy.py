@@ -45,6 +45,7 @@ from nemo_checkpointless.nemo.adapter import MegatronParticipant  # noqa: E402
 from nemo_checkpointless.nemo.data import RecordingIterator  # noqa: E402
 from nemo_checkpointless.nemo.restart import NEMO_DEFAULT_SEED, InProcessLauncher  # noqa: E402
 from nemo_checkpointless.protocol import LAYOUT_ENV, NUM_INSTANCES_ENV, STORE_PORT_ENV  # noqa: E402
+from nemo_checkpointless.restart import progress  # noqa: E402
 from nemo_checkpointless.restart.session import Session  # noqa: E402
 from nemo_checkpointless.state.checkpoint import CheckpointStore  # noqa: E402
 from nemo_checkpointless.topology import ParallelDims, rank_info  # noqa: E402
@@ -321,17 +322,30 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.participant.at_step_boundary(step)
         every, checkpoints = (self.session.checkpoint_every, self.session.checkpoints) if self._session else (0, None)
         info = rank_info(self.dims, self.global_rank)
+        beacon = self.session.beacon if self._session else None
         if (every and step and step % every == 0 and step != self.resume_step and checkpoints is not None
                 and info.instance == 0):  # one file per TP/PP slice and shard (`checkpoint_slot`)
+            if beacon is not None:
+                beacon.mark(step, progress.CHECKPOINT)
             checkpoints.save_shard(step, info.checkpoint_slot, *self.participant.boundary_state())
+        if beacon is not None:
+            beacon.mark(step + 1, progress.FORWARD)
         # Each micro-batch the step consumes is hashed as Megatron's schedule draws it (the data record).
-        return super().training_step(RecordingIterator(dataloader_iter), *args, **kwargs)
+        out = super().training_step(RecordingIterator(dataloader_iter), *args, **kwargs)
+        if beacon is not None:
+            beacon.mark(step + 1, progress.BACKWARD_DONE)
+        return out
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        beacon = self.session.beacon if self._session else None
+        if beacon is not None:
+            beacon.mark(self.trainer.global_step + 1, progress.OPTIMIZER)
         out = super().optimizer_step(*args, **kwargs)
         if self.participant is not None:
             self.participant.step_done()
+        if beacon is not None:
+            beacon.mark(self.trainer.global_step + 1, progress.STEP_DONE)
         return out
 
 

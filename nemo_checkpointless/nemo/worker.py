@@ -109,10 +109,16 @@ def global_batch_size(cfg: Config) -> int:
 
 
 def build_strategy(cfg: Config, run_dir: Path) -> Any:
+    import torch
+
     from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
 
+    # Megatron's pipeline sends activations in this dtype (it refuses pp > 1 without one).
+    pipeline_dtype = (torch.bfloat16 if cfg.trainer.precision == "bf16-mixed" else torch.float32) \
+        if cfg.parallel.pp > 1 else None
     return CheckpointlessMegatronStrategy(
         num_instances=cfg.replication.num_instances, global_batch_size=global_batch_size(cfg),
+        pipeline_dtype=pipeline_dtype,
         tensor_model_parallel_size=cfg.parallel.tp, pipeline_model_parallel_size=cfg.parallel.pp,
         context_parallel_size=cfg.parallel.cp, sequence_parallel=cfg.parallel.sequence_parallel and
         cfg.parallel.tp > 1, ckpt_async_save=False, pg_timeout_s=cfg.launcher.collective_timeout_s,

@@ -23,7 +23,9 @@ __all__ = ["InjectedFault", "fire_faults", "injected_key"]
 
 def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: Callable[[], None]) -> None:
     """Fire the faults of `plan` (`FaultSpec`s) that name `rank` at 1-based `step`: `kill` (SIGKILL), `hang`
-    (SIGSTOP), `corrupt` (calls `corrupt()`: the next state this rank sends is damaged) or `exception` (raises
+    (SIGSTOP), `spin` (a Python loop that never ends), `stall` (sleeps forever: idle, it never reaches the step's
+    collectives), `gil` (blocks in a native call that holds the GIL: libc `pause` through `ctypes.PyDLL`),
+    `corrupt` (calls `corrupt()`: the next state this rank sends is damaged) or `exception` (raises
     `InjectedFault`)."""
     for i, spec in enumerate(plan):
         if spec.rank != rank or spec.step != step or store.check([injected_key(i)]):
@@ -34,6 +36,16 @@ def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: 
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif spec.kind == "spin":
+            while True:
+                pass
+        elif spec.kind == "stall":
+            while True:
+                time.sleep(3600)
+        elif spec.kind == "gil":
+            import ctypes
+
+            ctypes.PyDLL(None).pause()  # a native call that keeps the GIL: no thread of this rank runs again
         elif spec.kind == "corrupt":
             corrupt()
         else:

@@ -16,6 +16,7 @@ from typing import Any
 from nemo_checkpointless import protocol
 from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.restart.groups import Membership, connect_store
+from nemo_checkpointless.restart.progress import ProgressBeacon
 from nemo_checkpointless.restart.recovery import RecoveryEngine, RecoveryStamps
 from nemo_checkpointless.restart.worker_env import WorkerEnv
 from nemo_checkpointless.state.checkpoint import CheckpointStore
@@ -62,9 +63,11 @@ class Session:
     position: DataPosition = field(default_factory=DataPosition)
     join: JoinSpec = field(default_factory=JoinSpec)
     stamps: RecoveryStamps = field(init=False)
+    beacon: ProgressBeacon = field(init=False)  # where this rank's training thread is (the launcher's watchdog)
 
     def __post_init__(self) -> None:
         self.stamps = RecoveryStamps(self.membership.store, self.env.rank)
+        self.beacon = ProgressBeacon(self.env.run_dir, self.env.rank)
 
     @property
     def store(self) -> Any:

@@ -1,0 +1,108 @@
+"""A rank's progress beacon: where in its step the training thread is, readable by the launcher without the rank.
+
+Each rank's training thread writes `(seq, step, phase, pid, t)` into a 32-byte file of its own,
+`RUN_DIR/progress/rank<r>.bin` (mode 0600), mapped into memory: a store of a few words per phase, no system call,
+no lock, no thread. The launcher reads the file (`read_beacon`) on its own; a rank that is SIGSTOPped, spins in
+native code, holds its GIL, or waits somewhere no collective is stops writing, and the launcher's watchdog
+(`launcher.watchdog.HangWatch`) sees it. `seq` is written last and grows with every mark; a reader takes a record
+it read twice alike.
+
+Phases, in the order a step goes through them on both engines: `STEP_START` (the callback's batch start: the
+batch is drawn), `OPTIMIZER` (the strategy's optimizer step begins; Lightning runs the closure, forward and
+backward, inside it), `FORWARD` (`training_step` begins), `BACKWARD_DONE` (`training_step` returned; on NeMo
+megatron's schedule ran the backward inside it), `GRAD_SYNC` (Lightning: the closure returned, the gradient
+reduction begins), `STEP_DONE` (the optimizer step returned), `BATCH_END` (the callback's batch end).
+`CHECKPOINT` marks a rank writing the persistent checkpoint (long and legitimate: the watchdog exempts it).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_FORMAT = struct.Struct("<QqiId")  # seq, step, phase, pid, wall time
+SIZE = 32
+
+STEP_START, OPTIMIZER, FORWARD, BACKWARD_DONE, GRAD_SYNC, STEP_DONE, BATCH_END, CHECKPOINT = range(1, 9)
+PHASE_NAMES = {STEP_START: "step start", OPTIMIZER: "optimizer step", FORWARD: "training_step",
+               BACKWARD_DONE: "training_step returned", GRAD_SYNC: "gradient reduction",
+               STEP_DONE: "optimizer step done", BATCH_END: "batch end", CHECKPOINT: "writing the checkpoint"}
+
+
+def beacon_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
+    return Path(run_dir) / "progress" / f"rank{rank}.bin"
+
+
+@dataclass(frozen=True)
+class Beacon:
+    seq: int
+    step: int
+    phase: int
+    pid: int
+    t: float
+
+    @property
+    def where(self) -> tuple[int, int]:
+        """How far the rank got: (step, phase), comparable between ranks (CHECKPOINT sorts with STEP_START)."""
+        return self.step, STEP_START if self.phase == CHECKPOINT else self.phase
+
+    def describe(self) -> str:
+        return f"step {self.step}, {PHASE_NAMES.get(self.phase, f'phase {self.phase}')}"
+
+
+class ProgressBeacon:
+    """The writer: `mark(step, phase)` from the training thread. Never raises after construction; a beacon that
+    could not be created is a no-op (the collective timeout then stays the only hang detector)."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], rank: int) -> None:
+        self._map: mmap.mmap | None = None
+        self._seq = 0
+        self._pid = os.getpid()
+        path = beacon_path(run_dir, rank)
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{self._pid}.tmp")
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, SIZE)
+                self._map = mmap.mmap(fd, SIZE)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)  # a replacement of this rank takes the file over whole
+        except OSError:
+            self._map = None
+
+    def mark(self, step: int, phase: int) -> None:
+        m = self._map
+        if m is None:
+            return
+        self._seq += 1
+        # seq last: a reader never takes a half-written record for a new one.
+        m[8:SIZE] = _FORMAT.pack(0, step, phase, self._pid, time.time())[8:]
+        m[0:8] = self._seq.to_bytes(8, "little")
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
+def read_beacon(path: str | os.PathLike[str]) -> Beacon | None:
+    """The last whole record of a beacon file; None if there is none (yet) or it is unreadable."""
+    try:
+        with open(path, "rb") as f:
+            for _ in range(3):
+                first = f.read(SIZE)
+                f.seek(0)
+                second = f.read(SIZE)
+                f.seek(0)
+                if len(first) == SIZE and first == second:
+                    seq, step, phase, pid, t = _FORMAT.unpack(second)
+                    return Beacon(seq, step, phase, pid, t) if seq else None
+    except OSError:
+        return None
+    return None
