@@ -86,6 +86,13 @@ def training_key(pid: int) -> str:
     return f"job/training/{pid}"
 
 
+def finished_key(pid: int) -> str:
+    """Set by a worker process once its training has ended and its results are written (the callbacks'
+    `on_train_end`): a death after it (a kill while the interpreter exits) loses nothing, and the launcher counts
+    the rank as finished."""
+    return f"job/finished/{pid}"
+
+
 def checkpointless_key(pid: int) -> str:
     """Set by a worker process whose training recovers in process (it runs `CheckpointlessStrategy`); the launcher
     replaces such a rank alone, and restarts every rank of a job whose processes never said so (tier 1)."""

@@ -119,7 +119,7 @@ def test_export_loads_in_transformers_and_gives_megatrons_logits(nemo_run: Path,
         diff = (hf - megatron).abs().max().item()
         mapping = (hf - merged).abs().max().item()
         with capsys.disabled():
-            print(f"\nstep {step}: max |logits(hf) - logits(megatron TP=2)| = {diff:.3g}, max |logits(hf) - "
+            print(f"\nstep {step}: max |logits(hf) - logits(megatron TP=2 x PP=2)| = {diff:.3g}, max |logits(hf) - "
                   f"logits(megatron TP=1, merged)| = {mapping:.3g} (max |logit| {megatron.abs().max().item():.3g})")
         assert diff < TOLERANCE and mapping < TOLERANCE, (diff, mapping)
 

@@ -38,6 +38,7 @@ from nemo_checkpointless.protocol import (
     STEP_TIMES_KEY,
     TRAIN_START_KEY,
     alive_key,
+    finished_key,
     generation_info_key,
     hang_key,
     injected_key,
@@ -141,6 +142,7 @@ class _Job:
     progress: HangWatch | None = None  # the progress watchdog (`watch_progress`)
     progress_generation: int = -1
     hang_reasons: dict[int, str] = field(default_factory=dict)  # rank -> why the watchdog declared it hung
+    finished_late: set[int] = field(default_factory=set)  # ranks that died after their training had ended
     in_process: bool = False  # a process of the job runs CheckpointlessStrategy (see `recovers_in_process`)
 
     def process_env(self, extra_env: dict[str, str]) -> dict[str, str]:
@@ -334,6 +336,19 @@ class _Job:
             self.hung.add(r)
             self.ranks[r].popen.kill()
 
+    def exit_codes(self) -> dict[int, int | None]:
+        """Each rank's exit code (None: running). A process that died after its training ended and its results were
+        written (`finished_key`; e.g. killed while the interpreter exits) counts as finished: 0."""
+        codes = {r: p.popen.poll() for r, p in self.ranks.items()}
+        for r, c in codes.items():
+            if c not in (None, 0) and self.store.check([finished_key(self.ranks[r].popen.pid)]):
+                if r not in self.finished_late:
+                    print(f"checkpointless: rank {r} exited with {c} after its training had ended and its results "
+                          "were written: counted as finished", file=sys.stderr, flush=True)
+                    self.finished_late.add(r)
+                codes[r] = 0
+        return codes
+
     def watch_progress(self, codes: dict[int, int | None]) -> None:
         """The progress watchdog (`launcher.watchdog.HangWatch`): a rank it finds hung is killed, which the next
         poll handles as the rank's death (a fault of kind `hang`, replaced like a crash)."""
@@ -476,12 +491,18 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None,
         for _ in range(cfg.replication.spares):
             job.start_spare()
         while True:
-            codes = {r: p.popen.poll() for r, p in job.ranks.items()}
+            codes = job.exit_codes()
             failed = [r for r, c in codes.items() if c not in (None, 0)]
+            if failed and any(c == 0 for c in codes.values()):
+                # Peers that finished cannot recover it (the job ends as a whole or not at all): stop, not wait.
+                done = [r for r, c in codes.items() if c == 0]
+                raise LaunchError(f"rank(s) {failed} failed after rank(s) {done} finished training; there is no "
+                                  f"peer left to recover them. {job.where(failed[0])}",
+                                  exit_code=max(1, abs(codes[failed[0]] or 1)))
             if failed:
                 store.set(FAULT_KEY, str(job.generation))  # unblock the survivors' collectives at once
                 time.sleep(GRACE_S)
-                codes = {r: p.popen.poll() for r, p in job.ranks.items()}
+                codes = job.exit_codes()
                 failed = [r for r, c in codes.items() if c not in (None, 0)]
                 job.replace(failed, codes)
                 continue

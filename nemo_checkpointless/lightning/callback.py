@@ -18,6 +18,7 @@ from nemo_checkpointless.protocol import (
     FAULT_PLAN_ENV,
     RUN_DIR_ENV,
     TRAIN_START_KEY,
+    finished_key,
     mark_process_training,
     write_worker_summary,
 )
@@ -86,7 +87,9 @@ class CheckpointlessCallback(Callback):
         strategy = self._strategy(trainer)
         train_s = time.perf_counter() - self._t_start
         digest = strategy.full_state_digest()
+        store = strategy.membership.store
         if trainer.global_rank != 0:
+            store.set(finished_key(os.getpid()), "1")
             return
         steps = trainer.global_step - self._start_step
         summary = {
@@ -99,3 +102,4 @@ class CheckpointlessCallback(Callback):
             "train_end_t": time.time(),
         }
         write_worker_summary(self.run_dir, summary)
+        store.set(finished_key(os.getpid()), "1")

@@ -36,6 +36,7 @@ from nemo_checkpointless.protocol import (
     FAULT_PLAN_ENV,
     RUN_DIR_ENV,
     TRAIN_START_KEY,
+    finished_key,
     mark_process_training,
     write_worker_summary,
 )
@@ -150,6 +151,7 @@ class CheckpointlessCallback(pl.Callback):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / f"nemo_rank{rank}.json").write_text(json.dumps(record, indent=1))
         if rank != 0:
+            store.set(finished_key(os.getpid()), "1")
             return
         leaders = sorted({rank_info(session.dims, r).shard_group[0] for r in range(world)
                           if rank_info(session.dims, r).instance == 0})
@@ -163,3 +165,4 @@ class CheckpointlessCallback(pl.Callback):
         summary = {"final_step": step, "state_sha256": state, "data_sha256": data.hexdigest,
                    "data_steps": data.steps, "train_end_t": time.time()}
         write_worker_summary(self.run_dir, summary)
+        store.set(finished_key(os.getpid()), "1")
