@@ -24,9 +24,11 @@ WINDOW = (25, 3)  # a window ends 3 steps before a fault (or the end) and spans 
 COMMON = [f"trainer.max_steps={STEPS}", "trainer.progress_bar=false", "checkpoint.every_n_steps=0",
           "launcher.collective_timeout_s=15", "model.n_layers=1", "data.seq_len=64", "data.micro_batch_size=4",
           "replication.num_instances=2", "replication.spares=1"]
-# Tolerances, stated: threads and descriptors exactly as before; CPU per step within 30 % (the fixed bug made the
-# dead rank's neighbour use ~2.4x); resident memory within 64 MB (a state transfer here is ~0.5 MB).
-CPU_PER_STEP_FACTOR = 1.3
+# Tolerances, stated: threads and descriptors exactly as before; CPU per step within 50 % (the fixed bug made the
+# dead rank's neighbour use ~2.4x; a healthy run on a fresh CI machine once measured 1.38x: 44 against 32 clock
+# ticks over 22 steps, while a refilled spare warmed up beside the ranks); resident memory within 64 MB (a state
+# transfer here is ~0.5 MB).
+CPU_PER_STEP_FACTOR = 1.5
 RSS_SLACK_KB = 64 * 1024
 
 
