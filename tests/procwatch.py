@@ -77,12 +77,16 @@ def at(samples: list[dict[str, float]], t: float) -> dict[str, float]:
 def window(samples: list[dict[str, float]], times: dict[int, float], end_step: int, span: tuple[int, int]
            ) -> dict[str, float]:
     """The process's state at the end of the window of steps `end_step - span[0]` to `end_step - span[1]`
-    (`times`: step -> when it completed), and its CPU ticks per step over the window."""
+    (`times`: step -> when it completed), and its CPU ticks per step over the window. Threads and descriptors are
+    the fewest any sample in the window saw: a leak stays, while a descriptor open for a moment (a batch file the
+    prefetch thread is writing, a store connection) is not one."""
     lo, hi = end_step - span[0], end_step - span[1]
     a, b = at(samples, times[lo]), at(samples, times[hi])
     steps = sum(1 for t in times.values() if a["t"] < t <= b["t"])
     assert steps >= 10 and b["t"] - a["t"] > 0.3, (lo, hi, a, b, steps)
-    return {**b, "cpu_per_step": (b["cpu"] - a["cpu"]) / steps}
+    inside = [s for s in samples if a["t"] <= s["t"] <= b["t"]]
+    least = {k: min(s[k] for s in inside) for k in ("threads", "fds")}
+    return {**b, **least, "cpu_per_step": (b["cpu"] - a["cpu"]) / steps}
 
 
 def train(run_dir: Path, overrides: list[str], *, sample: bool, env: dict[str, str] | None = None,
