@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_checkpointless.launcher.watchdog import HangWatch, proc_state
+from nemo_checkpointless.launcher.procs import proc_state
+from nemo_checkpointless.launcher.watchdog import HangWatch
 from nemo_checkpointless.restart import progress
 from nemo_checkpointless.restart.progress import ProgressBeacon, beacon_path, read_beacon
 

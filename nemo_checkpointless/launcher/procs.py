@@ -30,10 +30,32 @@ def job_pids(run_dir: str | os.PathLike[str], run_dir_var: str = RUN_DIR_ENV) ->
     return [pid for pid, env in live_processes() if env.get(run_dir_var) == str(run_dir)]
 
 
-def _parent(pid: int) -> int:
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, parent, ...); None if unreadable."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_bytes().decode(errors="replace").rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields or None
+
+
+def proc_state(pid: int) -> tuple[str, float] | None:
+    """(scheduler state letter, CPU seconds user + system) of `pid`; None if unreadable."""
+    fields = _stat(pid)
+    try:
+        return (fields[0], (int(fields[11]) + int(fields[12])) / _TICK) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def _parent(pid: int) -> int:
+    fields = _stat(pid)
+    try:
+        return int(fields[1]) if fields else 0
+    except (IndexError, ValueError):
         return 0
 
 

@@ -34,23 +34,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from nemo_checkpointless.launcher.procs import proc_state
 from nemo_checkpointless.restart.progress import CHECKPOINT, Beacon, beacon_path, read_beacon
-
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def proc_state(pid: int) -> tuple[str, float] | None:
-    """(scheduler state letter, CPU seconds user + system) of `pid` from /proc; None if unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    fields = raw.rsplit(")", 1)[-1].split()
-    try:
-        return fields[0], (int(fields[11]) + int(fields[12])) / _TICK
-    except (IndexError, ValueError):
-        return None
 
 
 @dataclass
@@ -59,6 +44,7 @@ class _Seen:
     beacon: Beacon | None
     changed: float  # launcher's monotonic clock when the beacon last moved
     cpu: float  # the process's CPU seconds then
+    state: tuple[str, float] | None = None  # (state letter, CPU seconds) at the last read; None: unreadable
     first_step: int | None = None  # the beacon's step when first read in this generation
     armed: bool = False  # has completed a step in this generation
 
@@ -112,8 +98,10 @@ class HangWatch:
         if beacon is not None and beacon.pid != pid:
             beacon = None  # the file of the process this one replaces: nothing of this process yet
         if seen is None or seen.pid != pid:
-            seen = self._seen[rank] = _Seen(pid, beacon, now, cpu, beacon.step if beacon else None)
+            seen = self._seen[rank] = _Seen(pid, beacon, now, cpu, state=state,
+                                            first_step=beacon.step if beacon else None)
             return seen
+        seen.state = state
         if beacon is not None and (seen.beacon is None or beacon.seq != seen.beacon.seq):
             if seen.first_step is None:
                 seen.first_step = beacon.step
@@ -142,9 +130,8 @@ class HangWatch:
         # For each stalled rank still there: its beacon, its state letter and whether it was busy since it stalled.
         how: dict[int, tuple[Beacon, str, float]] = {}
         for r, s in stalled.items():
-            state = proc_state(s.pid)
-            if state is not None and s.beacon is not None:
-                how[r] = (s.beacon, state[0], state[1] - s.cpu)
+            if s.state is not None and s.beacon is not None:
+                how[r] = (s.beacon, s.state[0], s.state[1] - s.cpu)
         busy = {r for r, (_, _, cpu) in how.items() if cpu >= self.busy_fraction * (now - stalled[r].changed)}
         waiting = [r for r, (_, letter, _) in how.items() if letter not in ("T", "t") and r not in busy]
         hung = []

@@ -322,31 +322,29 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.participant.at_step_boundary(step)
         every, checkpoints = (self.session.checkpoint_every, self.session.checkpoints) if self._session else (0, None)
         info = rank_info(self.dims, self.global_rank)
-        beacon = self.session.beacon if self._session else None
         if (every and step and step % every == 0 and step != self.resume_step and checkpoints is not None
                 and info.instance == 0):  # one file per TP/PP slice and shard (`checkpoint_slot`)
-            if beacon is not None:
-                beacon.mark(step, progress.CHECKPOINT)
+            self._mark(step, progress.CHECKPOINT)
             checkpoints.save_shard(step, info.checkpoint_slot, *self.participant.boundary_state())
-        if beacon is not None:
-            beacon.mark(step + 1, progress.FORWARD)
+        self._mark(step + 1, progress.FORWARD)
         # Each micro-batch the step consumes is hashed as Megatron's schedule draws it (the data record).
         out = super().training_step(RecordingIterator(dataloader_iter), *args, **kwargs)
-        if beacon is not None:
-            beacon.mark(step + 1, progress.BACKWARD_DONE)
+        self._mark(step + 1, progress.BACKWARD_DONE)
         return out
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        beacon = self.session.beacon if self._session else None
-        if beacon is not None:
-            beacon.mark(self.trainer.global_step + 1, progress.OPTIMIZER)
+        self._mark(self.trainer.global_step + 1, progress.OPTIMIZER)
         out = super().optimizer_step(*args, **kwargs)
         if self.participant is not None:
             self.participant.step_done()
-        if beacon is not None:
-            beacon.mark(self.trainer.global_step + 1, progress.STEP_DONE)
+        self._mark(self.trainer.global_step + 1, progress.STEP_DONE)
         return out
+
+    def _mark(self, step: int, phase: int) -> None:
+        """Where this rank is in its step, for the launcher's progress watchdog (no session: nobody watches)."""
+        if self._session is not None:
+            self._session.beacon.mark(step, phase)
 
 
 def _distributed_optimizer_ddp() -> Any:
