@@ -188,10 +188,15 @@ class ReplicationConfig:
 
     num_instances: int = 2
     spares: int = 0
+    # Several nodes: whole nodes that hold only spares (`spare_nodes` x trainer.devices spare ranks), started as
+    # agents with launcher.node_rank >= trainer.num_nodes; a lost node's ranks can move there together.
+    spare_nodes: int = 0
     checksum: bool = True
 
     def __post_init__(self) -> None:
         _positive("replication.num_instances", self.num_instances)
+        if self.spare_nodes < 0:
+            raise ConfigError("replication.spare_nodes", self.spare_nodes, "must be >= 0", "use 0, 1, 2, ...")
         if self.spares < 0:
             raise ConfigError("replication.spares", self.spares, "must be >= 0", "use 0 for no hot spare, or 1, 2, ...")
 
@@ -247,8 +252,32 @@ class LauncherConfig:
     # Python modules every rank and spare imports before anything else (a site patch, a profiler; for the NeMo
     # engine on CPU, the test suite's CPU shim: `PYTHONPATH=tests ... launcher.preload=[nemo_shim]`).
     preload: list[str] = field(default_factory=list)
+    # Several nodes: one agent (`checkpointless-run` / `checkpointless-train`) per node. `node_rank`: this node;
+    # `rdzv_endpoint`: HOST:PORT of the job's store ("" on one node: the launcher hosts it on `host`);
+    # `rdzv_backend`: who hosts that store (c10d: node 0's agent, as torchrun does, so losing node 0 ends the job;
+    # external: a `checkpointless-store` that no training node runs); `local_addr`: this node's address for the
+    # ranks' sockets ("": the address its route to the store leaves from); `node_lease_s`: an agent whose
+    # heartbeat has not moved for this long is lost with its node, and its ranks are recovered elsewhere.
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
+    rdzv_backend: str = "c10d"
+    local_addr: str = ""
+    node_lease_s: float = 2.0
+    # Where checkpointless-train sends the job: local (this machine; with several nodes, the agent of
+    # `node_rank`), k8s (writes a Kubeflow PyTorchJob manifest), slurm (writes an sbatch script).
+    target: str = "local"
 
     def __post_init__(self) -> None:
+        if self.node_rank < 0:
+            raise ConfigError("launcher.node_rank", self.node_rank, "must be >= 0", "use 0, 1, ... (one per node)")
+        if self.rdzv_backend not in ("c10d", "external"):
+            raise ConfigError("launcher.rdzv_backend", self.rdzv_backend, "must be c10d or external",
+                              "use c10d (node 0's agent hosts the store) or external (a checkpointless-store)")
+        if not self.node_lease_s > 0:
+            raise ConfigError("launcher.node_lease_s", self.node_lease_s, "must be > 0", "use e.g. 2")
+        if self.target not in ("local", "k8s", "slurm"):
+            raise ConfigError("launcher.target", self.target, "must be local, k8s or slurm",
+                              "use local (this machine), k8s (a PyTorchJob manifest) or slurm (an sbatch script)")
         for i, name in enumerate(self.preload):
             if not all(part.isidentifier() for part in str(name).split(".")):
                 raise ConfigError(f"launcher.preload[{i}]", name, "must be an importable module name",

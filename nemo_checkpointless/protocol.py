@@ -24,6 +24,8 @@ STORE_PORT_ENV = f"{ENV_PREFIX}STORE_PORT"
 RUN_DIR_ENV = f"{ENV_PREFIX}RUN_DIR"
 SPARE_ID_ENV = f"{ENV_PREFIX}SPARE_ID"  # set for a hot spare instead of RANK
 LAUNCHER_PID_ENV = f"{ENV_PREFIX}LAUNCHER_PID"  # a spare exits when its launcher is gone
+# Several nodes: the address of this rank's node that its gloo sockets bind to (one node: the store's host).
+LOCAL_ADDR_ENV = f"{ENV_PREFIX}LOCAL_ADDR"
 JOIN_GENERATION_ENV = f"{ENV_PREFIX}JOIN_GENERATION"  # a cold replacement joins this generation
 RESTART_GENERATION_ENV = f"{ENV_PREFIX}RESTART_GENERATION"  # a whole-job restart: reload the newest checkpoint
 # The job's settings for a user's script (checkpointless-run's flags); CheckpointlessStrategy's arguments win.
@@ -54,6 +56,11 @@ GENERATION_KEY = "job/generation"  # the launcher's current generation (set when
 FAULT_KEY = "job/fault_generation"  # the generation the launcher declared failed most recently
 STEP_TIMES_KEY = "job/step_times"  # rank 0 appends "<step> <unix time>;" as each step completes
 JOB_ID_KEY = "job/data_cache_id"  # the job id that names the shared-memory batch cache
+
+
+def local_addr(store_host: str) -> str:
+    """The address this rank's gloo sockets bind to: its node's (`LOCAL_ADDR_ENV`), else the store's host."""
+    return os.environ.get(LOCAL_ADDR_ENV) or store_host
 
 
 def generation_info_key(generation: int) -> str:

@@ -188,7 +188,11 @@ def test_bad_input_gets_one_clear_message_and_leaves_nothing_running(tmp_path: P
     code, out = _error("--nproc-per-node", "4", "--num-instances", "3")
     assert code == 2 and "--num-instances=3" in out and "divide" in out, out
     code, out = _error("--nnodes", "2", "--nproc-per-node", "4")
-    assert code == 2 and "--nnodes=2" in out, out
+    assert code == 2 and "--rdzv-endpoint='': is needed for --nnodes 2" in out, out
+    code, out = _error("--nnodes", "1:4", "--nproc-per-node", "4")
+    assert code == 2 and "--nnodes=1:4: must be a fixed number of nodes" in out, out
+    code, out = _error("--nnodes", "2", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "127.0.0.1:2379")
+    assert code == 2 and "--rdzv-backend=etcd-v2: must be static, c10d or external" in out, out
     code, out = _error("--nproc-per-node", "4", script=tmp_path / "missing.py")
     assert code == 2 and "is not a file" in out, out
     with socket.socket() as busy:

@@ -34,8 +34,11 @@ from nemo_checkpointless.protocol import WORKER_SUMMARY
 
 PROG = "checkpointless-run"
 # torchrun flags whose non-default values this launcher does not implement (dest -> default).
-_REFUSED = {"rdzv_conf": "", "event_log_handler": "null", "run_path": False, "local_ranks_filter": "",
-            "numa_binding": None, "logs_specs": None, "virtual_local_rank": False, "local_addr": None}
+_REFUSED = {"event_log_handler": "null", "run_path": False, "local_ranks_filter": "",
+            "numa_binding": None, "logs_specs": None, "virtual_local_rank": False}
+# torchrun's rendezvous backends, as this launcher reads them: the job's store at --rdzv-endpoint is hosted by
+# node 0's agent (static, c10d: as torchrun does) or runs on its own (external: a checkpointless-store).
+_BACKENDS = {"static": "c10d", "c10d": "c10d", "external": "external"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="restart_all: restart every rank on a failure (the baseline a job restart gives)")
     ours.add_argument("--fault", action="append", default=[], metavar="KIND:RANK:STEP",
                       help="inject a fault (tests, benchmarks): kill, hang, spin, stall, gil, exception or corrupt")
+    ours.add_argument("--spare-nodes", "--spare_nodes", type=int, default=0,
+                      help="several nodes: nodes that hold only spares (--nproc-per-node each), with node ranks "
+                           "from --nnodes on")
+    ours.add_argument("--node-lease", "--node_lease", type=float, default=2.0, metavar="S",
+                      help="several nodes: a node whose agent has not beaten for S seconds is lost, and its ranks "
+                           "are recovered on other nodes")
     ours.add_argument("--hang-deadline", "--hang_deadline", type=float, default=0.0, metavar="S",
                       help="the progress watchdog's deadline: a rank without progress this long (stopped, busy, or "
                            "idle behind the others) is replaced; 0: max(5 s, 10 x p95 step time); < 0: off")
@@ -83,6 +92,24 @@ def _nproc(value: str) -> int:
     if n < 1:
         raise ConfigError("--nproc-per-node", value, "must be >= 1", "e.g. --nproc-per-node 4")
     return n
+
+
+def _join_timeout(conf: str) -> float | None:
+    """torchrun's `--rdzv-conf join_timeout=S` (how long nodes, and ranks, may take to join); no other key."""
+    out = None
+    for item in filter(None, conf.split(",")):
+        key, _, value = item.partition("=")
+        if key != "join_timeout":
+            raise ConfigError("--rdzv-conf", conf, f"sets {key}, which {PROG} does not read",
+                              "only join_timeout=SECONDS is read (e.g. --rdzv-conf join_timeout=120)")
+        try:
+            out = float(value)
+        except ValueError:
+            out = -1.0
+        if not out > 0:
+            raise ConfigError("--rdzv-conf", conf, "join_timeout must be a number of seconds > 0",
+                              "e.g. --rdzv-conf join_timeout=120")
+    return out
 
 
 def _fault_plan(specs: list[str]) -> list[dict[str, Any]]:
@@ -139,11 +166,34 @@ def _command(args: argparse.Namespace) -> list[str]:
 def _config(args: argparse.Namespace) -> Any:
     from nemo_checkpointless.config import Config
 
-    nnodes = str(args.nnodes)
-    if nnodes not in ("1", "1:1"):
-        raise ConfigError("--nnodes", nnodes, f"{PROG} starts the ranks of one machine in this release",
-                          "use --nnodes 1 (several nodes: one agent per node is the next step of the project)")
-    if int(args.node_rank) != 0:
+    nnodes_text = str(args.nnodes)
+    low, _, high = nnodes_text.partition(":")
+    if not low.isdigit() or (high and high != low) or int(low) < 1:
+        raise ConfigError("--nnodes", nnodes_text, "must be a fixed number of nodes (N or N:N)",
+                          "e.g. --nnodes 2 (a job that shrinks or grows is not launched this way)")
+    nnodes = int(low)
+    backend = _BACKENDS.get(args.rdzv_backend)
+    if backend is None:
+        raise ConfigError("--rdzv-backend", args.rdzv_backend, "must be static, c10d or external",
+                          "use c10d (node 0's agent hosts the store) or external (start checkpointless-store on a "
+                          "host of its own; docs/cluster.md)")
+    # torchrun's static rendezvous: several nodes find node 0 at --master-addr:--master-port
+    endpoint = args.rdzv_endpoint or (f"{args.master_addr}:{args.master_port}"
+                                      if args.master_port and (nnodes > 1 or args.spare_nodes) else "")
+    if (nnodes > 1 or args.spare_nodes) and not endpoint:
+        raise ConfigError("--rdzv-endpoint", "''", f"is needed for --nnodes {nnodes}",
+                          "give every node the store's HOST:PORT, e.g. --rdzv-endpoint 10.0.0.1:29400, and its own "
+                          "--node-rank")
+    if args.spare_nodes < 0:
+        raise ConfigError("--spare-nodes", args.spare_nodes, "must be >= 0", "use 0, 1, 2, ...")
+    join_timeout = _join_timeout(args.rdzv_conf)
+    if not args.node_lease > 0:
+        raise ConfigError("--node-lease", args.node_lease, "must be > 0", "e.g. --node-lease 2")
+    if endpoint:
+        from nemo_checkpointless.launcher.cluster import parse_endpoint
+
+        parse_endpoint(endpoint)
+    elif int(args.node_rank) != 0:
         raise ConfigError("--node-rank", args.node_rank, "must be 0 on one node", "drop --node-rank")
     for dest, default in _REFUSED.items():
         if getattr(args, dest, default) != default:
@@ -158,7 +208,8 @@ def _config(args: argparse.Namespace) -> Any:
         raise ConfigError("--checkpoint-every", args.checkpoint_every, "must be >= 0", "0 (none) or N steps")
     if args.collective_timeout <= 0:
         raise ConfigError("--collective-timeout", args.collective_timeout, "must be > 0", "e.g. 30")
-    world = _nproc(str(args.nproc_per_node))
+    nproc = _nproc(str(args.nproc_per_node))
+    world = nproc * nnodes
     instances = args.num_instances or (2 if world % 2 == 0 else 1)
     if instances < 1 or world % instances:
         raise ConfigError("--num-instances", instances, f"must divide the data-parallel size {world}",
@@ -171,13 +222,17 @@ def _config(args: argparse.Namespace) -> Any:
 
     return replace(
         cfg, recipe_name=f"script:{script_name}", run=replace(cfg.run, dir=run_dir),
-        trainer=replace(cfg.trainer, devices=world, num_nodes=1, max_steps=1 << 30),
-        replication=replace(cfg.replication, num_instances=instances, spares=args.spares),
+        trainer=replace(cfg.trainer, devices=nproc, num_nodes=nnodes, max_steps=1 << 30),
+        replication=replace(cfg.replication, num_instances=instances, spares=args.spares,
+                            spare_nodes=args.spare_nodes),
         checkpoint=replace(cfg.checkpoint, every_n_steps=args.checkpoint_every),
         fault=replace(cfg.fault, plan=[FaultSpec(**f) for f in plan]),
         launcher=replace(cfg.launcher, host=args.master_addr, max_restarts=args.max_restarts,
                          collective_timeout_s=args.collective_timeout, on_failure=args.on_failure,
-                         hang_deadline_s=args.hang_deadline))
+                         hang_deadline_s=args.hang_deadline, node_rank=int(args.node_rank),
+                         rdzv_endpoint=endpoint, rdzv_backend=backend, local_addr=args.local_addr or "",
+                         node_lease_s=args.node_lease,
+                         start_timeout_s=join_timeout or cfg.launcher.start_timeout_s))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 def launch_script(cfg: Any, command: list[str], prog: str, port: int | None = None) -> int:
     """Run a user's `command` on the job `cfg` describes (`run_local`: ranks, spares, recovery) and return the exit
     code: checkpointless-run's launch, shared with `checkpointless-train recipe=NAME script=...`."""
-    from nemo_checkpointless.launcher import LaunchError, run_local
+    from nemo_checkpointless.launcher import LaunchError, run_job
 
     run_dir = Path(cfg.run.dir).absolute()
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -205,7 +260,7 @@ def launch_script(cfg: Any, command: list[str], prog: str, port: int | None = No
     for stale in ("summary.json", WORKER_SUMMARY):
         (run_dir / stale).unlink(missing_ok=True)
     try:
-        summary = run_local(cfg, run_dir, command=command, port=port)
+        summary = run_job(cfg, run_dir, command=command, port=port)
     except LaunchError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -215,6 +270,10 @@ def launch_script(cfg: Any, command: list[str], prog: str, port: int | None = No
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    if not summary:  # several nodes: another node's agent led at the end and wrote the summary
+        print(f"{prog}: done: this node's ranks finished (the summary is in the leading node's run dir)",
+              file=sys.stderr)
+        return 0
     brief = {k: summary.get(k) for k in ("final_step", "wall_s", "state_sha256")}
     brief["recoveries"] = len(summary.get("recoveries", []))
     print(f"{prog}: done: {json.dumps(brief)}; summary in {run_dir / 'summary.json'}", file=sys.stderr)

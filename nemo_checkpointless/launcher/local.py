@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import torch.distributed as dist
 
@@ -77,9 +77,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def host_store(host: str, timeout_s: float, port: int | None = None) -> tuple[dist.TCPStore, int]:
+def host_store(host: str, timeout_s: float, port: int | None = None, key: str = "--master-port"
+               ) -> tuple[dist.TCPStore, int]:
     """A TCPStore server listening on `host` only (TCPStore alone would listen on every interface), on `port`
-    (default: a free one)."""
+    (default: a free one). `key`: the flag that named the port, for the error when it cannot be bound."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind((host, port or 0))
@@ -87,10 +88,10 @@ def host_store(host: str, timeout_s: float, port: int | None = None) -> tuple[di
         sock.close()
         from nemo_checkpointless.errors import ConfigError
 
-        raise ConfigError("--master-port" if port else "launcher.host", f"{host}:{port or 0}",
+        any_port = " (or leave --master-port out for any free one)" if key == "--master-port" else ""
+        raise ConfigError(key if port else "launcher.host", f"{host}:{port or 0}",
                           f"cannot be bound for the job's store ({e.strerror})",
-                          "pick a free port (or leave --master-port out for any free one), on an interface of "
-                          "this machine") from None
+                          f"pick a free port{any_port}, on an interface of this machine") from None
     sock.listen(128)
     port = sock.getsockname()[1]
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
@@ -105,9 +106,22 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
+class ProcessHandle(Protocol):
+    """What the launcher does with a process: a child (`Popen`), a forked spare, or one on another node's agent."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self) -> int: ...
+
+
 @dataclass
 class _Proc:
-    popen: subprocess.Popen[bytes] | ForkedSpare
+    popen: subprocess.Popen[bytes] | ForkedSpare | ProcessHandle
     log: Path | None
     out: IO[bytes] | None
 
@@ -144,6 +158,7 @@ class _Job:
     hang_reasons: dict[int, str] = field(default_factory=dict)  # rank -> why the watchdog declared it hung
     finished_late: set[int] = field(default_factory=set)  # ranks that died after their training had ended
     in_process: bool = False  # a process of the job runs CheckpointlessStrategy (see `recovers_in_process`)
+    node_lost: set[int] = field(default_factory=set)  # several nodes: ranks that died with their node
 
     def process_env(self, extra_env: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ)
@@ -234,7 +249,7 @@ class _Job:
 
     def replace(self, failed: list[int], codes: dict[int, int | None]) -> None:
         """Declare the current generation failed, give each failed rank a process, publish the next generation."""
-        t_seen = time.time()
+        t_seen = self.fault_seen_t()
         self.generation += 1
         self.hang_deadline = None  # a check-in round of the failed generation (`watch_hangs`) ends with it
         self.unrecovered += 1
@@ -294,10 +309,12 @@ class _Job:
                 self.start_rank(rank, join_generation=self.generation)
         fault_t = min([t_seen, *(i["t"] for i in injected.values())])
         kinds = sorted({i["kind"] for i in injected.values()}
-                       | {"hang" for r in failed if r in self.hung and r not in injected}) or ["crash"]
+                       | {"hang" for r in failed if r in self.hung and r not in injected}
+                       | {"node" for r in failed if r in self.node_lost}) or ["crash"]
         if not failed:
             kinds = ["timeout"]
         self.hung.difference_update(failed)  # their replacements start unsuspected
+        self.node_lost.difference_update(failed)
         # The step the fault interrupted, when known (an injected fault says it): ranks stamp when they are
         # back there, which is how a recovery and a whole-job restart are compared.
         target = min((i["step"] for i in injected.values()), default=None)
@@ -309,6 +326,10 @@ class _Job:
         self.store.set(generation_info_key(self.generation),
                        protocol.GenerationInfo(failed, fault_t, target).to_json())
         self.store.set(GENERATION_KEY, str(self.generation))
+
+    def fault_seen_t(self) -> float:
+        """When the launcher saw the failure it is about to handle."""
+        return time.time()
 
     def watch_hangs(self, codes: dict[int, int | None]) -> None:
         """The watchdog. A rank reported a collective timeout: every healthy rank checks in (it reaches recovery
@@ -461,6 +482,78 @@ class _Job:
         return out
 
 
+    def tick(self) -> bool:
+        """One poll of the job: a failed rank is replaced, hangs are looked for, spares refilled once a recovery
+        is done. True once every rank finished."""
+        codes = self.exit_codes()
+        failed = [r for r, c in codes.items() if c not in (None, 0)]
+        if failed and any(c == 0 for c in codes.values()):
+            # Peers that finished cannot recover it (the job ends as a whole or not at all): stop, not wait.
+            done = [r for r, c in codes.items() if c == 0]
+            raise LaunchError(f"rank(s) {failed} failed after rank(s) {done} finished training; there is no "
+                              f"peer left to recover them. {self.where(failed[0])}",
+                              exit_code=max(1, abs(codes[failed[0]] or 1)))
+        if failed:
+            self.store.set(FAULT_KEY, str(self.generation))  # unblock the survivors' collectives at once
+            time.sleep(GRACE_S)
+            codes = self.exit_codes()
+            failed = [r for r, c in codes.items() if c not in (None, 0)]
+            self.replace(failed, codes)
+            return False
+        if all(c == 0 for c in codes.values()):
+            return True
+        self.watch_hangs(codes)
+        self.watch_progress(codes)
+        if self.unrecovered and self.recovery_done(self.generation):
+            self.unrecovered = 0  # the restart budget counts failures in a row, not the run's recoveries
+        if self.refill and self.recovery_done(self.generation):
+            for _ in range(self.refill):
+                self.start_spare(refill=True)
+            self.refill = 0
+        return False
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        """The job's `summary.json` (written to the run dir, and returned), once every rank finished."""
+        # What rank 0's CheckpointlessCallback reports; a worker without the callback (tier 1: the launcher alone)
+        # reports nothing, and the summary says only what the launcher saw.
+        cfg, run_dir, store = self.cfg, self.run_dir, self.store
+        path = run_dir / protocol.WORKER_SUMMARY
+        worker_summary: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+        train_s: float | None = None
+        if "train_end_t" in worker_summary and store.check([TRAIN_START_KEY]):
+            # From the first training step of the job to the end, across every recovery (not one process's view).
+            train_s = round(worker_summary["train_end_t"] - json.loads(store.get(TRAIN_START_KEY)), 3)
+        final_step = worker_summary.get("final_step")
+        recoveries = self.records()
+        if store.check([STEP_TIMES_KEY]):
+            # The job time each fault cost, from rank 0's step times (not only the window around the fault).
+            times = StepTimes.parse(store.get(STEP_TIMES_KEY).decode())
+            times.write_csv(run_dir / "steps.csv")
+            for record, cost in zip(recoveries, fault_costs(times, [r["step"] for r in recoveries], final_step),
+                                    strict=True):
+                record.update(cost.to_json())
+        summary: dict[str, Any] = {
+            "recipe": cfg.recipe_name,
+            "world_size": cfg.trainer.world_size,
+            "num_instances": cfg.replication.num_instances,
+            "spares": cfg.replication.spares,
+            "seed": cfg.seed,
+            "final_step": final_step,
+            "wall_s": wall_s,
+            "train_s": train_s,
+            "steps_per_s": round(final_step / train_s, 3) if final_step and train_s else None,
+            "state_sha256": worker_summary.get("state_sha256"),
+            "data_sha256": worker_summary.get("data_sha256"),
+            "rate_window_steps": RATE_WINDOW,
+            "recoveries": recoveries,
+            "pids": {str(r): [p.popen.pid for p in procs] for r, procs in sorted(self.pids.items())},
+        }
+        tmp = run_dir / ".summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.replace(run_dir / "summary.json")
+        return summary
+
+
 def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None,
               command: list[str] | None = None, port: int | None = None) -> dict[str, Any]:
     """Run the job described by `run_dir/config.yaml` on `cfg.trainer.devices` local ranks; return the summary.
@@ -490,32 +583,7 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None,
             log.close()  # the template holds its own descriptor
         for _ in range(cfg.replication.spares):
             job.start_spare()
-        while True:
-            codes = job.exit_codes()
-            failed = [r for r, c in codes.items() if c not in (None, 0)]
-            if failed and any(c == 0 for c in codes.values()):
-                # Peers that finished cannot recover it (the job ends as a whole or not at all): stop, not wait.
-                done = [r for r, c in codes.items() if c == 0]
-                raise LaunchError(f"rank(s) {failed} failed after rank(s) {done} finished training; there is no "
-                                  f"peer left to recover them. {job.where(failed[0])}",
-                                  exit_code=max(1, abs(codes[failed[0]] or 1)))
-            if failed:
-                store.set(FAULT_KEY, str(job.generation))  # unblock the survivors' collectives at once
-                time.sleep(GRACE_S)
-                codes = job.exit_codes()
-                failed = [r for r, c in codes.items() if c not in (None, 0)]
-                job.replace(failed, codes)
-                continue
-            if all(c == 0 for c in codes.values()):
-                break
-            job.watch_hangs(codes)
-            job.watch_progress(codes)
-            if job.unrecovered and job.recovery_done(job.generation):
-                job.unrecovered = 0  # the restart budget counts failures in a row, not the run's recoveries
-            if job.refill and job.recovery_done(job.generation):
-                for _ in range(job.refill):
-                    job.start_spare(refill=True)
-                job.refill = 0
+        while not job.tick():
             time.sleep(POLL_S)
     finally:
         if job.factory is not None:
@@ -528,41 +596,4 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None,
             if p.out is not None:
                 p.out.close()
         remove_job_cache(cfg.data.cache_root, job_id)  # every rank has exited: nobody reads it any more
-    # What rank 0's CheckpointlessCallback reports; a worker without the callback (tier 1: the launcher alone)
-    # reports nothing, and the summary says only what the launcher saw.
-    path = run_dir / protocol.WORKER_SUMMARY
-    worker_summary: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-    wall_s = round(time.perf_counter() - t0, 3)
-    train_s: float | None = None
-    if "train_end_t" in worker_summary and store.check([TRAIN_START_KEY]):
-        # From the first training step of the job to the end, across every recovery (not one process's view).
-        train_s = round(worker_summary["train_end_t"] - json.loads(store.get(TRAIN_START_KEY)), 3)
-    final_step = worker_summary.get("final_step")
-    recoveries = job.records()
-    if store.check([STEP_TIMES_KEY]):
-        # The job time each fault cost, from rank 0's step times (not only the window around the fault).
-        times = StepTimes.parse(store.get(STEP_TIMES_KEY).decode())
-        times.write_csv(run_dir / "steps.csv")
-        for record, cost in zip(recoveries, fault_costs(times, [r["step"] for r in recoveries], final_step),
-                                strict=True):
-            record.update(cost.to_json())
-    summary: dict[str, Any] = {
-        "recipe": cfg.recipe_name,
-        "world_size": world,
-        "num_instances": cfg.replication.num_instances,
-        "spares": cfg.replication.spares,
-        "seed": cfg.seed,
-        "final_step": final_step,
-        "wall_s": wall_s,
-        "train_s": train_s,
-        "steps_per_s": round(final_step / train_s, 3) if final_step and train_s else None,
-        "state_sha256": worker_summary.get("state_sha256"),
-        "data_sha256": worker_summary.get("data_sha256"),
-        "rate_window_steps": RATE_WINDOW,
-        "recoveries": recoveries,
-        "pids": {str(r): [p.popen.pid for p in procs] for r, procs in sorted(job.pids.items())},
-    }
-    tmp = run_dir / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    tmp.replace(run_dir / "summary.json")
-    return summary
+    return job.summary(round(time.perf_counter() - t0, 3))

@@ -255,10 +255,12 @@ class CheckpointlessStrategy(ParallelStrategy):
         devices = len(self.parallel_devices or [None])
         world = self.session.env.world_size
         if devices * self.num_nodes != world:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # the launcher's ranks per node
             raise ConfigError("Trainer(devices=..., num_nodes=...)", f"devices={flag}, num_nodes={self.num_nodes}",
-                              f"describes {devices * self.num_nodes} processes; the launcher started {world}",
-                              f"use Trainer(devices={world // self.num_nodes}, num_nodes={self.num_nodes}) or "
-                              f"checkpointless-run --nproc-per-node {devices * self.num_nodes}")
+                              f"describes {devices * self.num_nodes} processes; the launcher started {world} "
+                              f"({world // local} node(s) x {local})",
+                              f"use Trainer(devices={local}, num_nodes={world // local}), or launch "
+                              f"{self.num_nodes} node(s) x --nproc-per-node {devices}")
 
     @property
     @override

@@ -76,7 +76,8 @@ class Session:
     @classmethod
     def create(cls, env: WorkerEnv, store: Any, dims: ParallelDims, collective_timeout_s: float,
                checkpoint_every: int, checkpoint_dir: str | None, verify_checksum: bool = True) -> Session:
-        membership = Membership(store, env.rank, env.world_size, env.store_host, collective_timeout_s)
+        membership = Membership(store, env.rank, env.world_size, protocol.local_addr(env.store_host),
+                                collective_timeout_s)
         ckpt_dir = checkpoint_dir or os.path.join(env.run_dir, "checkpoints")
         checkpoints = CheckpointStore(ckpt_dir, dims.checkpoint_slots) if checkpoint_every else None
         engine = RecoveryEngine(membership, dims, checkpoints, verify_checksum=verify_checksum)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from nemo_checkpointless.protocol import ENV_PREFIX, LAUNCHER_PID_ENV, SPARE_ID_ENV
+from nemo_checkpointless.protocol import ENV_PREFIX, LAUNCHER_PID_ENV, SPARE_ID_ENV, local_addr
 from nemo_checkpointless.restart.groups import Membership, connect_store
 
 __all__ = ["ENV_PREFIX", "LAUNCHER_PID_ENV", "SPARE_ID_ENV", "WorkerEnv", "die_by_signal", "preload", "run_worker"]
@@ -44,7 +44,7 @@ class WorkerEnv:
 
     def membership(self, timeout_s: float) -> Membership:
         store = connect_store(self.store_host, self.store_port, timeout_s)
-        return Membership(store, self.rank, self.world_size, self.store_host, timeout_s)
+        return Membership(store, self.rank, self.world_size, local_addr(self.store_host), timeout_s)
 
 
 def preload(cfg: Any) -> None:

@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--devices", default="4")
+    parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--val-every", type=int, default=0, help="validate every N batches (0: no validation)")
     parser.add_argument("--precision", default="32-true")
     args = parser.parse_args()
@@ -116,6 +117,7 @@ def main() -> None:
     model = Regressor(step_sleep=args.step_sleep)
     trainer = pl.Trainer(
         accelerator="cpu", devices=int(args.devices) if args.devices.isdigit() else args.devices,
+        num_nodes=args.num_nodes,
         strategy=CheckpointlessStrategy(), callbacks=[CheckpointlessCallback(), Progress(run_dir)],
         max_steps=args.max_steps, max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
         gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
