@@ -309,3 +309,34 @@ def test_an_unreachable_endpoint_and_a_claimed_node_rank(tmp_path: Path) -> None
         store.terminate()
         store.wait()
     assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_a_lost_store_stops_every_node_with_the_story(tmp_path: Path) -> None:
+    """The store on its own, killed mid-run (loopback): the job cannot go on; every agent stops its ranks and
+    exits non-zero saying why, and nothing is left running."""
+    port = _free_port()
+    store = subprocess.Popen([sys.executable, "-m", "nemo_checkpointless.cli.store", "--port", str(port)],
+                             env=child_env(), stderr=subprocess.DEVNULL)
+    run_dir = tmp_path / "run"
+    try:
+        time.sleep(1.0)
+        agents = [subprocess.Popen(_agent(run_dir, n, f"127.0.0.1:{port}", "external"), env=child_env(), cwd=ROOT,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for n in (0, 1)]
+        deadline = time.monotonic() + TIMEOUT_S
+        while job_progress(run_dir) < 5:
+            assert time.monotonic() < deadline and all(a.poll() is None for a in agents), "no progress"
+            time.sleep(0.01)
+        store.kill()
+        t_lost = time.monotonic()
+        outs = [a.communicate(timeout=60)[0].decode(errors="replace") for a in agents]
+        waited = time.monotonic() - t_lost
+    finally:
+        store.kill()
+        store.wait()
+    for agent, out in zip(agents, outs, strict=True):
+        assert agent.returncode == 1, out[-3000:]
+        assert f"lost the job's store at 127.0.0.1:{port}" in out and "restart the job" in out, out[-3000:]
+    print(f"store lost: every agent exited {waited:.2f} s later")
+    assert waited < 30, waited  # not a collective timeout per rank, not a hang
+    assert _leftovers(tmp_path) == []

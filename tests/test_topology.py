@@ -401,3 +401,18 @@ def test_groups_match_megatron_rank_generator() -> None:
         for index, group in enumerate(expert.get_ranks("ep")):
             for ep_rank, r in enumerate(group):
                 assert rank_info(dims, r).ep_rank == ep_rank, (dims, index)
+
+
+def test_the_recipes_place_every_shards_replicas_on_two_nodes() -> None:
+    """A whole-node loss keeps a live copy of every optimizer shard on each multi-node recipe's layout; a layout
+    that does not (pipeline stages across nodes, so a data-parallel group inside one) is warned about."""
+    from nemo_checkpointless.cli.compose import compose, recipe_names
+    from nemo_checkpointless.launcher.cluster import placement_warning
+
+    several = [n for n in recipe_names() if compose([f"recipe={n}"]).trainer.num_nodes > 1]
+    assert {"llama3_70b", "llama3_405b", "llama3_8b"} <= set(several)
+    for name in several:
+        assert placement_warning(compose([f"recipe={name}"])) is None, name
+    cfg = compose(["recipe=tiny_llama_nemo", "trainer.num_nodes=2", "trainer.devices=4", "parallel.pp=2"])
+    warning = placement_warning(cfg)
+    assert warning is not None and "ranks [0, 2]" in warning and "node 0" in warning, warning

@@ -4,6 +4,10 @@
                        [--num-instances N] [--checkpoint-every K] [--collective-timeout T]
                        script.py ARGS...      (or -m module ARGS..., or --no-python program ARGS...)
 
+    several nodes, one agent each (the same command on every node, its own --node-rank):
+    checkpointless-run --nnodes N --node-rank I --rdzv-endpoint HOST:PORT [--rdzv-backend c10d|external]
+                       [--local-addr ADDR] [--spare-nodes M] [--node-lease S] --nproc-per-node K ... script.py
+
 It hosts the job's store (never on a training rank), starts K ranks with the variables torchrun sets (`RANK`,
 `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_RUN_ID`,
 ...) plus the package's own (`protocol`), keeps S hot spares (each runs the script up to `trainer.fit` and waits
@@ -12,8 +16,13 @@ recovers in process: only the failed rank is replaced, from a live replica. Any 
 `init_process_group`) gets tier 1: the launcher's store (`TORCHELASTIC_USE_AGENT_STORE`: rank 0 hosts nothing)
 and, on a failure, every rank restarted at once with the store kept (the script resumes from its own checkpoint).
 
+On several nodes (`launcher.cluster`), each node's agent starts and watches its ranks and spares; the job's
+decisions are made once, by the leading agent, through the store at --rdzv-endpoint (hosted by node 0's agent
+with c10d, as torchrun does, or by a `checkpointless-store` of its own with external); a node whose agent stops
+beating for --node-lease seconds is lost, and its ranks are recovered on the others.
+
 The arguments are `torch.distributed.run`'s own parser, extended; its flags for what this launcher does not do
-(several nodes, rendezvous backends, numa binding, ...) are refused with one message each.
+(elastic node ranges, the etcd backends, numa binding, ...) are refused with one message each.
 """
 
 from __future__ import annotations

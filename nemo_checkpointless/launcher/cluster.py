@@ -510,14 +510,9 @@ class NodeAgent:
                           spec=self.spec, live=self.live)
 
     def warn_placement(self) -> None:
-        from nemo_checkpointless.topology.layout import replica_groups
-
-        one_node = [g for g in replica_groups(self.cfg.dims()) if len({r // self.spec.nproc for r in g}) == 1]
-        if one_node:
-            print(f"checkpointless: warning: the replicas of {len(one_node)} optimizer shard(s) (e.g. ranks "
-                  f"{list(one_node[0])}) all sit on one node: losing that node falls back to the checkpoint "
-                  "(use replication.num_instances >= 2 with a data-parallel size spanning the nodes)",
-                  file=sys.stderr, flush=True)
+        warning = placement_warning(self.cfg)
+        if warning:
+            print(f"checkpointless: warning: {warning}", file=sys.stderr, flush=True)
 
     def take_over(self, old: int) -> None:
         """The leader's node is lost and this is the live node of lowest rank: continue from its saved state."""
@@ -641,6 +636,21 @@ class NodeAgent:
                 if self.store.check([JOB_ID_KEY]):
                     remove_job_cache(self.cfg.data.cache_root, self.store.get(JOB_ID_KEY).decode())
         return summary
+
+
+def placement_warning(cfg: Config) -> str | None:
+    """What a whole-node loss would cost when some optimizer shard has every replica on one node (None: each
+    shard's copies sit on at least two nodes, so a node loss leaves one)."""
+    from nemo_checkpointless.topology.layout import replica_groups
+
+    per_node = cfg.trainer.devices
+    one_node = [g for g in replica_groups(cfg.dims()) if len({r // per_node for r in g}) == 1]
+    if not one_node or cfg.trainer.num_nodes == 1:
+        return None
+    return (f"the replicas of {len(one_node)} optimizer shard(s) (e.g. ranks {list(one_node[0])}) all sit on node "
+            f"{one_node[0][0] // per_node}: losing that node falls back to the checkpoint (replication."
+            f"num_instances={cfg.replication.num_instances}; spread the data-parallel group over the nodes, e.g. a "
+            "smaller parallel.pp or a larger replication.num_instances)")
 
 
 def node_spec(cfg: Config) -> NodeSpec:
