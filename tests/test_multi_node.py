@@ -11,18 +11,16 @@ root and `ip netns`; skipped with the reason where the machine does not allow th
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from harness import child_env, finish_job, job_progress
+from netns import Fabric, netns_error
 
 pytestmark = pytest.mark.slow
 
@@ -32,91 +30,11 @@ TIMEOUT_S = 240
 STEPS = 30
 SCRIPT_ARGS = ("--max-steps", str(STEPS), "--step-sleep", "0.05", "--devices", "2", "--num-nodes", "2")
 PORT = 29400
-SUBNET = "10.231.0"
-
-
-def _netns_error() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (ip netns)"
-    probe = f"nclp{uuid.uuid4().hex[:6]}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode:
-        return f"ip netns is not allowed here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-class Fabric:
-    """Namespaces `names` (each with one address on a shared bridge), processes started in them, whole-namespace
-    kills, and everything removed at the end."""
-
-    def __init__(self, names: list[str]) -> None:
-        self.tag = uuid.uuid4().hex[:5]
-        self.bridge_ns = f"ncl{self.tag}b"
-        self.ns = {name: f"ncl{self.tag}{i}" for i, name in enumerate(names)}
-        self.addr = {name: f"{SUBNET}.{i + 1}" for i, name in enumerate(names)}
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self._ip("netns", "add", self.bridge_ns)
-        self._ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
-        self._ip("-n", self.bridge_ns, "link", "set", "br0", "up")
-        for i, name in enumerate(names):
-            ns, inner, outer = self.ns[name], f"v{self.tag}{i}a", f"v{self.tag}{i}b"
-            self._ip("netns", "add", ns)
-            self._ip("link", "add", inner, "type", "veth", "peer", "name", outer)
-            self._ip("link", "set", inner, "netns", ns)
-            self._ip("link", "set", outer, "netns", self.bridge_ns)
-            self._ip("-n", ns, "addr", "add", f"{self.addr[name]}/24", "dev", inner)
-            self._ip("-n", ns, "link", "set", inner, "up")
-            self._ip("-n", ns, "link", "set", "lo", "up")
-            self._ip("-n", self.bridge_ns, "link", "set", outer, "master", "br0")
-            self._ip("-n", self.bridge_ns, "link", "set", outer, "up")
-
-    @staticmethod
-    def _ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True)
-
-    def start(self, name: str, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-        out = open(log, "wb")  # noqa: SIM115 (the child writes to it until it exits)
-        proc = subprocess.Popen(["ip", "netns", "exec", self.ns[name], *argv], env=child_env(), cwd=ROOT,
-                                stdout=out, stderr=subprocess.STDOUT)
-        out.close()
-        self.procs.append(proc)
-        return proc
-
-    def pids(self, name: str) -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", self.ns[name]], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split()]
-
-    def kill_node(self, name: str) -> int:
-        """SIGKILL every process of the namespace, at once and until none is left; returns how many."""
-        killed: set[int] = set()
-        for _ in range(50):
-            pids = self.pids(name)
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.add(pid)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.02)
-        return len(killed)
-
-    def close(self) -> None:
-        for name in self.ns:
-            self.kill_node(name)
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        for ns in [*self.ns.values(), self.bridge_ns]:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 @pytest.fixture
 def fabric() -> Iterator[Fabric]:
-    why = _netns_error()
+    why = netns_error()
     if why:
         pytest.skip(why)
     f = Fabric(["store", "node0", "node1"])
