@@ -18,6 +18,14 @@ echo "$TORCH" > "$constraints"
 python3 -m venv .venv
 .venv/bin/pip install -q "$TORCH"
 .venv/bin/pip install -q -c "$constraints" -e ".[dev]"
+# Slurm's controller and client, for tests/test_cluster_files.py (`sbatch --test-only` against a slurmctld it starts
+# on loopback; about 10 s from Debian's packages). Without root or apt-get that test skips, saying why.
+if ! { command -v slurmctld || [ -x /usr/sbin/slurmctld ]; } >/dev/null || ! command -v sbatch >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+        slurmctld slurm-client; } >/dev/null || echo "scripts/test.sh: could not install Slurm; its test skips" >&2
+  fi
+fi
 .venv/bin/python -m pytest -q
 
 python3 -m venv .venv-nemo

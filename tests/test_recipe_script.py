@@ -120,7 +120,7 @@ def test_script_arguments_reach_the_script_as_written() -> None:
      ["parallel.tp=2: recipe=tiny_llama_cpu is engine=lightning, whose CheckpointlessStrategy is data-parallel "
       "only", "use parallel.tp=1, or a NeMo recipe"]),
     (["recipe=llama3_8b", f"script={NEMO_SCRIPT}"],
-     ["trainer.num_nodes=2: checkpointless-train launches the ranks of one machine", "checkpointless-plan"]),
+     ["trainer.num_nodes=2: needs one agent per node", "launcher.target=k8s", "launcher.rdzv_endpoint=HOST:PORT"]),
     ([f"script={LIGHTNING_SCRIPT}", "launcher.preload=[no_such_module_here]"],
      ["launcher.preload[0]=no_such_module_here: is not an importable module here"]),
 ])

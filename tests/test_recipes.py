@@ -86,10 +86,9 @@ def test_llama_3_2_ties_embeddings_and_3_1_has_the_long_context() -> None:
         (["recipe=llama3_70b", "engine=megatron"], ["engine=megatron", "lightning, nemo"]),
         (["recipe=llama3_70b", "trainer.precision=fp8"], ["trainer.precision=fp8", "bf16-mixed"]),
         # NeMo recipes validate, then must fit this machine (the local launcher; GPUs; NeMo; on CPU, a shim).
-        (["recipe=llama3_70b"], ["trainer.num_nodes=16", "launches the ranks of one machine",
-                                 "checkpointless-plan recipe=llama3_70b trainer.num_nodes=16"]),
-        (["recipe=llama32_1b", "trainer.num_nodes=2"], ["trainer.num_nodes=2",
-                                                         "checkpointless-plan recipe=llama32_1b trainer.num_nodes=2"]),
+        (["recipe=llama3_70b"], ["trainer.num_nodes=16", "needs one agent per node", "launcher.target=slurm",
+                                 "checkpointless-train recipe=llama3_70b trainer.num_nodes=16 launcher.node_rank=I"]),
+        (["recipe=llama32_1b", "trainer.num_nodes=2"], ["trainer.num_nodes=2", "launcher.rdzv_endpoint=HOST:PORT"]),
         pytest.param(["recipe=llama32_1b"], ["trainer.devices=8", f"needs 8 CUDA GPUs, this machine has {GPUS}"],
                      marks=pytest.mark.skipif(GPUS >= 8, reason="this machine has 8 GPUs")),
         (["recipe=tiny_llama_nemo"],

@@ -407,7 +407,7 @@ def test_the_recipes_place_every_shards_replicas_on_two_nodes() -> None:
     """A whole-node loss keeps a live copy of every optimizer shard on each multi-node recipe's layout; a layout
     that does not (pipeline stages across nodes, so a data-parallel group inside one) is warned about."""
     from nemo_checkpointless.cli.compose import compose, recipe_names
-    from nemo_checkpointless.launcher.cluster import placement_warning
+    from nemo_checkpointless.launcher.nodes import placement_warning
 
     several = [n for n in recipe_names() if compose([f"recipe={n}"]).trainer.num_nodes > 1]
     assert {"llama3_70b", "llama3_405b", "llama3_8b"} <= set(several)

@@ -16,7 +16,7 @@ recovers in process: only the failed rank is replaced, from a live replica. Any 
 `init_process_group`) gets tier 1: the launcher's store (`TORCHELASTIC_USE_AGENT_STORE`: rank 0 hosts nothing)
 and, on a failure, every rank restarted at once with the store kept (the script resumes from its own checkpoint).
 
-On several nodes (`launcher.cluster`), each node's agent starts and watches its ranks and spares; the job's
+On several nodes (`launcher.nodes`), each node's agent starts and watches its ranks and spares; the job's
 decisions are made once, by the leading agent, through the store at --rdzv-endpoint (hosted by node 0's agent
 with c10d, as torchrun does, or by a `checkpointless-store` of its own with external); a node whose agent stops
 beating for --node-lease seconds is lost, and its ranks are recovered on the others.
@@ -199,7 +199,7 @@ def _config(args: argparse.Namespace) -> Any:
     if not args.node_lease > 0:
         raise ConfigError("--node-lease", args.node_lease, "must be > 0", "e.g. --node-lease 2")
     if endpoint:
-        from nemo_checkpointless.launcher.cluster import parse_endpoint
+        from nemo_checkpointless.launcher.nodes import parse_endpoint
 
         parse_endpoint(endpoint)
     elif int(args.node_rank) != 0:

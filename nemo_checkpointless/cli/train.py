@@ -33,7 +33,8 @@ Common overrides:
   trainer.devices=K                  local ranks (CPU processes)
   run.dir=PATH                       where logs, config and summary.json go
   replication.num_instances=N        replicated optimizer instances (must divide the data-parallel size)
-  trainer.num_nodes=N                nodes (size cluster jobs with checkpointless-plan; 1 here)
+  trainer.num_nodes=N                nodes: one agent per node (launcher.node_rank=I launcher.rdzv_endpoint=
+                                     HOST:PORT), or launcher.target=k8s|slurm writes the cluster's launch files
   launcher.preload=[MODULE]          modules every rank imports first (engine=nemo on CPU: the tests' shim)
   seed=S                             random seed
   data.path=PREFIX                   token data PREFIX.bin + PREFIX.idx (see checkpointless-tokenize)
@@ -84,10 +85,6 @@ def check_engine(cfg: Config) -> None:
     if cfg.engine != "nemo":
         return
     t, recipe = cfg.trainer, cfg.recipe_name
-    if t.num_nodes != 1:
-        raise ConfigError("trainer.num_nodes", t.num_nodes, "checkpointless-train launches the ranks of one machine",
-                          f"size the cluster job with: checkpointless-plan recipe={recipe} "
-                          f"trainer.num_nodes={t.num_nodes}; here use trainer.num_nodes=1")
     if t.accelerator == "gpu":
         import torch
 
@@ -105,16 +102,24 @@ def check_engine(cfg: Config) -> None:
                           f"recipe={recipe} launcher.preload=[nemo_shim]")
 
 
+def check_nodes(cfg: Config) -> None:
+    """Several nodes run one agent each, which finds the job's store at `launcher.rdzv_endpoint`."""
+    t = cfg.trainer
+    if (t.num_nodes > 1 or cfg.replication.spare_nodes) and not cfg.launcher.rdzv_endpoint:
+        raise ConfigError("trainer.num_nodes", t.num_nodes, "needs one agent per node, each told where the job's "
+                          "store is (launcher.rdzv_endpoint)",
+                          f"write the cluster's launch files with launcher.target=k8s or launcher.target=slurm, or "
+                          f"run on every node: checkpointless-train recipe={cfg.recipe_name} "
+                          f"trainer.num_nodes={t.num_nodes} launcher.node_rank=I launcher.rdzv_endpoint=HOST:PORT "
+                          "(docs/cluster.md)")
+
+
 def check_lightning_path(cfg: Config) -> None:
     p = cfg.parallel
     if (p.tp, p.cp, p.pp, p.ep) != (1, 1, 1, 1):
         raise ConfigError("parallel", f"tp={p.tp},cp={p.cp},pp={p.pp},ep={p.ep}",
                           "the plain-Lightning path is data-parallel only",
                           "set the parallel sizes to 1, or use a NeMo recipe for model parallelism")
-    if cfg.trainer.num_nodes != 1:
-        raise ConfigError("trainer.num_nodes", cfg.trainer.num_nodes, "the local launcher runs on one machine",
-                          "use trainer.num_nodes=1 here (several nodes are not supported yet; size a cluster "
-                          "job with checkpointless-plan)")
     t = cfg.trainer
     for key, value, ok in (("trainer.accelerator", t.accelerator, "cpu"), ("trainer.precision", t.precision, "32-true"),
                            ("trainer.accumulate_grad_batches", t.accumulate_grad_batches, 1),
@@ -134,9 +139,6 @@ def check_script_engine(cfg: Config) -> None:
             raise ConfigError(key, value, f"recipe={cfg.recipe_name} is engine=lightning, whose CheckpointlessStrategy "
                               "is data-parallel only", f"use {key}=1, or a NeMo recipe (engine=nemo) for a script "
                               "on CheckpointlessMegatronStrategy")
-    if cfg.trainer.num_nodes != 1:
-        raise ConfigError("trainer.num_nodes", cfg.trainer.num_nodes, "checkpointless-train launches the ranks of "
-                          "one machine", "use trainer.num_nodes=1 here")
 
 
 def script_launch(cfg: Config) -> list[str]:
@@ -195,6 +197,7 @@ def run_script(cfg: Config, show: bool) -> int:
         print(describe_script_launch(cfg))
         return 0
     command = script_launch(cfg)  # the script is not a file: the first thing to say
+    check_nodes(cfg)
     if cfg.engine == "lightning":
         check_script_engine(cfg)
     check_engine(cfg)
@@ -216,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         from nemo_checkpointless.cli.compose import compose
 
         cfg = compose(args)
+        if cfg.launcher.target != "local" and not show:  # k8s / slurm: write the launch files, start nothing here
+            from nemo_checkpointless.cluster import write_launch_files
+
+            return write_launch_files(cfg, args)
         if cfg.script is not None:
             return run_script(cfg, show)
         if show:
@@ -223,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             return 0
+        check_nodes(cfg)
         check_engine(cfg)
         if cfg.engine == "lightning":
             check_lightning_path(cfg)
@@ -230,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"checkpointless-train: error: {e}", file=sys.stderr)
         return 2
-    from nemo_checkpointless.launcher import LaunchError, run_local
+    from nemo_checkpointless.launcher import LaunchError, run_job
 
     run_dir = Path(cfg.run.dir).absolute()
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -239,13 +247,16 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / stale).unlink(missing_ok=True)
     save_run_config(cfg, run_dir)
     try:
-        summary = run_local(cfg, run_dir)
+        summary = run_job(cfg, run_dir)
     except LaunchError as e:
         print(f"checkpointless-train: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("checkpointless-train: interrupted", file=sys.stderr)
         return 130
+    if not summary:  # several nodes: another node's agent led at the end and wrote the summary
+        print("checkpointless-train: done: this node's ranks finished (the summary is in the leading node's run dir)")
+        return 0
     brief = {k: summary[k] for k in ("final_step", "wall_s", "steps_per_s", "state_sha256", "data_sha256")}
     print(f"checkpointless-train: done: {json.dumps(brief)}; summary in {run_dir / 'summary.json'}")
     return 0

@@ -18,7 +18,7 @@ def multi_node(cfg: Config) -> bool:
 def run_job(cfg: Config, run_dir: Path, worker_module: str | None = None, command: list[str] | None = None,
             port: int | None = None) -> dict[str, Any]:
     if multi_node(cfg):
-        from nemo_checkpointless.launcher.cluster import run_node
+        from nemo_checkpointless.launcher.nodes import run_node
 
         return run_node(cfg, run_dir, worker_module, command)
     return run_local(cfg, run_dir, worker_module, command, port)
