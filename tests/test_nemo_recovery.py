@@ -5,8 +5,9 @@ with the fault-free one:
 - a kill (p2p from the replica, in process: survivors keep their pids; the replacement's first batch comes from
   the shared-memory cache) and then a SIGSTOP hang (found by the collective timeout and the launcher's watchdog,
   then p2p) in one run;
-- both replicas of one shard lost at once (a kill and an exception): the job falls back by itself to the
-  persistent checkpoint of step 3 (safetensors files) and replays from there;
+- both replicas of one shard lost at once (a kill and an exception), on two nodes of 2 ranks (one agent each,
+  `launcher.node_rank`): the job falls back by itself to the persistent checkpoint of step 3 (safetensors files)
+  and replays from there;
 - the fault-free run's `data_sha256` equals the plain-Lightning engine's for the same data settings: both train on
   the same global batches in the same order.
 
@@ -16,6 +17,7 @@ Four launches (~50 s, ~80 s, ~50 s on 2 cores, and a 10 s Lightning run). Skippe
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,15 +36,24 @@ COMMON = [f"trainer.max_steps={STEPS}", "launcher.collective_timeout_s=8", "chec
 NEMO = ["recipe=tiny_llama_nemo", "launcher.preload=[nemo_shim]", "model.dropout=0.1", *COMMON]
 
 
-def _train(run_dir: Path, *overrides: str) -> dict[str, Any]:
+def _train(run_dir: Path, *overrides: str, nodes: int = 1) -> dict[str, Any]:
+    """One `checkpointless-train`; with `nodes` > 1, one agent per node on loopback (`launcher.node_rank=i`,
+    node 0's agent hosting the store), each node with 4 / nodes ranks."""
     env = child_env(tests_on_path=True)
-    proc = subprocess.run([sys.executable, "-m", "nemo_checkpointless.cli.train", f"run.dir={run_dir}", *overrides],
-                          env=env, cwd=TESTS.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          timeout=LAUNCH_TIMEOUT_S, check=False)
-    log = proc.stdout.decode(errors="replace")
+    argv = [sys.executable, "-m", "nemo_checkpointless.cli.train", f"run.dir={run_dir}", *overrides]
+    if nodes > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        argv += [f"trainer.num_nodes={nodes}", f"trainer.devices={4 // nodes}",
+                 f"launcher.rdzv_endpoint=127.0.0.1:{port}"]
+    procs = [subprocess.Popen([*argv, f"launcher.node_rank={n}"] if nodes > 1 else argv, env=env, cwd=TESTS.parent,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for n in range(nodes)]
+    log = "".join(p.communicate(timeout=LAUNCH_TIMEOUT_S)[0].decode(errors="replace") for p in procs)
     logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
                      for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
-    assert proc.returncode == 0, f"exit code {proc.returncode}\n{log[-5000:]}\n{logs}"
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * nodes, f"exit codes {codes}\n{log[-5000:]}\n{logs}"
     summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
     summary["ranks"] = {r: json.loads((run_dir / f"nemo_rank{r}.json").read_text())
                         for r in range(4) if (run_dir / f"nemo_rank{r}.json").exists()}
@@ -102,9 +113,11 @@ def test_kill_then_hang_recover_p2p_in_process_and_end_bitwise_equal(reference: 
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)
 def test_both_replicas_lost_falls_back_to_the_checkpoint_and_ends_bitwise_equal(reference: dict[str, Any],
                                                                                tmp_path: Path) -> None:
-    # Ranks 1 and 3 hold the two replicas of shard 1 (Megatron's inter-instance group [1, 3]).
-    summary = _train(tmp_path / "both", *NEMO, "replication.spares=2",
-                     "fault.plan=[{kind:kill,rank:1,step:5},{kind:exception,rank:3,step:5}]")
+    """On two nodes (an agent each, node 0's hosting the store: the recipe's multi-node launch), 2 ranks and a
+    spare per node."""
+    # Ranks 1 and 3 hold the two replicas of shard 1 (Megatron's inter-instance group [1, 3]): one on each node.
+    summary = _train(tmp_path / "both", *NEMO, "replication.spares=1",
+                     "fault.plan=[{kind:kill,rank:1,step:5},{kind:exception,rank:3,step:5}]", nodes=2)
     _assert_equal_to(reference, summary)
     [rec] = summary["recoveries"]
     assert rec["failed_ranks"] == [1, 3] and rec["path"] == "checkpoint", rec

@@ -128,6 +128,24 @@ def interface_of(addr: str) -> str | None:
     return None
 
 
+def wait_for_listener(host: str, port: int, timeout_s: float) -> bool:
+    """Whether something listens at host:port within `timeout_s`, tried with plain connects (TCPStore's own retries
+    print a C++ trace each). A connection to itself is not one: on loopback, a connect to a port of the
+    ephemeral range where nobody listens yet can be given that very port as its source and succeed, and it
+    would then hold the port the store is about to bind."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0) as s:
+                if s.getsockname() != s.getpeername():
+                    return True
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
 # ------------------------------------------------------------------------------------------------ liveness
 @dataclass
 class Liveness:
@@ -422,14 +440,17 @@ class NodeAgent:
         where = f"{spec.host}:{spec.port}"
         if spec.backend == "c10d" and spec.node_rank == 0:
             self.hosted, _ = host_store(spec.host, timeout, spec.port, key="--rdzv-endpoint")
+        who = ("node 0's agent hosts it (--rdzv-backend c10d): start node 0 first" if spec.backend == "c10d"
+               else "start checkpointless-store there first")
+        error = ConfigError("--rdzv-endpoint", where, f"no store answered there within {timeout:g} s",
+                            f"check the address and port; {who}")
+        if not wait_for_listener(spec.host, spec.port, timeout):
+            raise error
         try:
             store = dist.TCPStore(spec.host, spec.port, is_master=False,
                                   timeout=datetime.timedelta(seconds=timeout))
-        except (RuntimeError, OSError) as e:
-            who = ("node 0's agent hosts it (--rdzv-backend c10d): start node 0 first" if spec.backend == "c10d"
-                   else "start checkpointless-store there first")
-            raise ConfigError("--rdzv-endpoint", where, f"no store answered there within {timeout:g} s "
-                              f"({str(e).splitlines()[0][:120]})", f"check the address and port; {who}") from None
+        except (RuntimeError, OSError):
+            raise error from None
         store.set_timeout(datetime.timedelta(seconds=max(30.0, 4 * spec.lease_s)))
         return store
 
