@@ -241,6 +241,11 @@ class LauncherConfig:
     # is stopped, busy or idle behind the others, is declared hung and replaced. 0: max(5 s, 10 x p95 step time);
     # negative: off (the collective timeout alone finds hangs).
     hang_deadline_s: float = 0.0
+    # The straggler report (launcher.stragglers): a rank whose own work per step (step start to gradient
+    # reduction), median of its last `straggler_window` samples, is `straggler_factor` x the others' is reported
+    # in the log and summary.json, never replaced. 0: off.
+    straggler_factor: float = 1.5
+    straggler_window: int = 20
     start_timeout_s: float = 300.0
     threads_per_rank: int = 1
     # Faults in a row whose recovery did not complete (complete: every rank finished a step after it). A job that
@@ -273,6 +278,11 @@ class LauncherConfig:
         if self.rdzv_backend not in ("c10d", "external"):
             raise ConfigError("launcher.rdzv_backend", self.rdzv_backend, "must be c10d or external",
                               "use c10d (node 0's agent hosts the store) or external (a checkpointless-store)")
+        if self.straggler_factor != 0 and not self.straggler_factor > 1:
+            raise ConfigError("launcher.straggler_factor", self.straggler_factor, "must be > 1, or 0 (off)",
+                              "use e.g. 1.5 (a rank 50 % slower than the others is reported)")
+        if self.straggler_window < 2:
+            raise ConfigError("launcher.straggler_window", self.straggler_window, "must be >= 2", "use e.g. 20")
         if not self.node_lease_s > 0:
             raise ConfigError("launcher.node_lease_s", self.node_lease_s, "must be > 0", "use e.g. 2")
         if self.target not in ("local", "k8s", "slurm"):

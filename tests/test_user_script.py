@@ -286,3 +286,17 @@ def test_a_second_death_during_the_recovery_is_recovered_too(reference_loader: d
     [recovery] = summary["recoveries"]
     assert recovery["failed_ranks"] == [1, 2] and recovery["path"] == "p2p", recovery
     assert recovery["steps_lost"] == 0 and recovery["step"] == 12, recovery
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_a_slow_rank_is_reported_as_a_straggler_and_not_replaced(tmp_path: Path) -> None:
+    """Rank 2 sleeps 60 ms in every training_step (before `self.log(sync_dist=True)`, where the others then wait
+    for it): flagged in the log and summary.json, with every rank's own work per step; nothing replaced."""
+    summary = _run(tmp_path / "slow", script_args=("--max-steps", "60", "--slow-rank", "2", "--slow-s", "0.06"))
+    assert summary["recoveries"] == [] and summary["final_step"] == 60
+    assert all(len(pids) == 1 for pids in summary["pids"].values()), summary["pids"]
+    assert [e["rank"] for e in summary["stragglers"]] == [2], summary["stragglers"]
+    assert summary["stragglers"][0]["factor"] >= 1.5
+    busy = summary["rank_busy_s"]
+    assert busy["2"] > 0.06 and all(busy[r] < busy["2"] / 2 for r in "013"), busy
+    assert "rank 2 is a straggler" in summary["log"], summary["log"][-3000:]

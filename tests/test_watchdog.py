@@ -162,3 +162,30 @@ def test_proc_state_reads_state_and_cpu() -> None:
         proc.kill()
         proc.wait()
     assert proc_state(proc.pid) is None
+
+
+def test_a_slow_rank_is_reported_once_as_a_straggler_and_a_fast_one_never(tmp_path: Path) -> None:
+    """Three beacons marking real steps: rank 2 works 25 ms a step before its gradient reduction, the others 3 ms
+    (plus 20 ms each in a collective of their own, which is not work); then rank 2 speeds up."""
+    from nemo_checkpointless.launcher.stragglers import StragglerWatch
+
+    beacons = [ProgressBeacon(tmp_path, r) for r in range(3)]
+    watch = StragglerWatch(tmp_path, factor=1.5, window=8, poll_s=0.0)
+    lines: list[str] = []
+    for step in range(1, 31):
+        for r, beacon in enumerate(beacons):
+            beacon.mark(step, progress.STEP_START)
+            time.sleep(0.025 if r == 2 and step <= 20 else 0.003)
+            if r != 2:
+                time.sleep(0.02)
+                beacon.waited(0.02)
+            beacon.mark(step, progress.GRAD_SYNC)
+            beacon.mark(step, progress.STEP_DONE)
+        lines += watch.observe({r: os.getpid() for r in range(3)})
+    summary = watch.summary()
+    [episode] = summary["stragglers"]
+    assert episode["rank"] == 2 and episode["factor"] > 3 and episode["first_step"] <= 8, summary
+    assert 20 <= episode["last_step"] < 30, summary
+    assert any(line.startswith("rank 2 is a straggler") and "reported, not replaced" in line for line in lines)
+    assert any(line.startswith("rank 2 is no straggler any more") for line in lines), lines
+    assert set(summary["rank_busy_s"]) == {"0", "1", "2"}

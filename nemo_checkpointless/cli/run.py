@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="restart_all: restart every rank on a failure (the baseline a job restart gives)")
     ours.add_argument("--fault", action="append", default=[], metavar="KIND:RANK:STEP",
                       help="inject a fault (tests, benchmarks): kill, hang, spin, stall, gil, exception or corrupt")
+    ours.add_argument("--straggler-factor", "--straggler_factor", type=float, default=1.5, metavar="F",
+                      help="report a rank whose own work per step takes F x the other ranks' (never replaced; "
+                           "0: off)")
     ours.add_argument("--spare-nodes", "--spare_nodes", type=int, default=0,
                       help="several nodes: nodes that hold only spares (--nproc-per-node each), with node ranks "
                            "from --nnodes on")
@@ -240,7 +243,7 @@ def _config(args: argparse.Namespace) -> Any:
                          collective_timeout_s=args.collective_timeout, on_failure=args.on_failure,
                          hang_deadline_s=args.hang_deadline, node_rank=int(args.node_rank),
                          rdzv_endpoint=endpoint, rdzv_backend=backend, local_addr=args.local_addr or "",
-                         node_lease_s=args.node_lease,
+                         node_lease_s=args.node_lease, straggler_factor=args.straggler_factor,
                          start_timeout_s=join_timeout or cfg.launcher.start_timeout_s))
 
 

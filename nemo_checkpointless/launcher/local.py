@@ -27,6 +27,7 @@ from nemo_checkpointless import protocol
 from nemo_checkpointless.config import Config
 from nemo_checkpointless.data.cache import new_job_id, remove_job_cache
 from nemo_checkpointless.launcher.spares import ForkedSpare, SpareFactory, become_child_subreaper
+from nemo_checkpointless.launcher.stragglers import StragglerWatch
 from nemo_checkpointless.launcher.watchdog import HangWatch
 from nemo_checkpointless.protocol import (
     ENV_PREFIX,
@@ -154,6 +155,7 @@ class _Job:
     hang_handled: set[int] = field(default_factory=set)  # generations whose hang report was acted on
     hung: set[int] = field(default_factory=set)
     progress: HangWatch | None = None  # the progress watchdog (`watch_progress`)
+    stragglers: StragglerWatch | None = None  # the straggler report (`watch_progress`)
     progress_generation: int = -1
     hang_reasons: dict[int, str] = field(default_factory=dict)  # rank -> why the watchdog declared it hung
     finished_late: set[int] = field(default_factory=set)  # ranks that died after their training had ended
@@ -374,11 +376,17 @@ class _Job:
         """The progress watchdog (`launcher.watchdog.HangWatch`): a rank it finds hung is killed, which the next
         poll handles as the rank's death (a fault of kind `hang`, replaced like a crash)."""
         if self.progress is None:
-            self.progress = HangWatch(self.run_dir, self.cfg.launcher.hang_deadline_s)
+            lc = self.cfg.launcher
+            self.progress = HangWatch(self.run_dir, lc.hang_deadline_s)
+            self.stragglers = StragglerWatch(self.run_dir, lc.straggler_factor, lc.straggler_window)
+        assert self.stragglers is not None
         if self.progress_generation != self.generation:
             self.progress.reset()
+            self.stragglers.reset()
             self.progress_generation = self.generation
         live = {r: self.ranks[r].popen.pid for r, c in codes.items() if c is None and r not in self.hung}
+        for line in self.stragglers.observe(live):
+            print(f"checkpointless: {line}", file=sys.stderr, flush=True)
         for rank, why in self.progress.check(live):
             print(f"checkpointless: rank {rank} is hung: {why} (no progress for longer than the "
                   f"{self.progress.deadline():.1f} s deadline); replacing it", file=sys.stderr, flush=True)
@@ -546,6 +554,7 @@ class _Job:
             "data_sha256": worker_summary.get("data_sha256"),
             "rate_window_steps": RATE_WINDOW,
             "recoveries": recoveries,
+            **(self.stragglers.summary() if self.stragglers else {"stragglers": [], "rank_busy_s": {}}),
             "pids": {str(r): [p.popen.pid for p in procs] for r, procs in sorted(self.pids.items())},
         }
         tmp = run_dir / ".summary.json.tmp"

@@ -28,6 +28,7 @@ import itertools
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -604,7 +605,9 @@ class CheckpointlessStrategy(ParallelStrategy):
             return tensor
         self._step_collectives += 1
         out = tensor.detach().clone().float()
+        t0 = time.perf_counter()
         self.membership.world().all_reduce(out)
+        self._waited(t0)
         if reduce_op in ("mean", "avg") or str(reduce_op).lower().endswith("avg"):
             out /= self.world_size
         return out.to(tensor.dtype)
@@ -630,7 +633,9 @@ class CheckpointlessStrategy(ParallelStrategy):
         if isinstance(obj, torch.Tensor):
             self._step_collectives += self._in_step
             out = obj.detach().clone()
+            t0 = time.perf_counter()
             self.membership.world().broadcast(out, src)
+            self._waited(t0)
             return out
         return obj
 
@@ -639,8 +644,16 @@ class CheckpointlessStrategy(ParallelStrategy):
         """Every rank's `tensor`, stacked (a collective; recovered inside a training step, like `reduce`)."""
         self._step_collectives += self._in_step
         outs = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        t0 = time.perf_counter()
         self.membership.world().all_gather(outs, tensor.detach().contiguous())
+        self._waited(t0)
         return torch.stack(outs)
+
+    def _waited(self, t0: float) -> None:
+        """A collective of the user's code inside the step ended: its wait is not this rank's work (the straggler
+        report's `busy_s`)."""
+        if self._in_step:
+            self.session.beacon.waited(time.perf_counter() - t0)
 
     @override
     def teardown(self) -> None:

@@ -1,6 +1,6 @@
 """A rank's progress beacon: where in its step the training thread is, readable by the launcher without the rank.
 
-Each rank's training thread writes `(seq, step, phase, pid, t)` into a 32-byte file of its own,
+Each rank's training thread writes `(seq, step, phase, pid, t, busy_step, busy_s)` into a 48-byte file of its own,
 `RUN_DIR/progress/rank<r>.bin` (mode 0600), mapped into memory: a store of a few words per phase, no system call,
 no lock, no thread. The launcher reads the file (`read_beacon`) on its own; a rank that is SIGSTOPped, spins in
 native code, holds its GIL, or waits somewhere no collective is stops writing, and the launcher's watchdog
@@ -13,6 +13,12 @@ backward, inside it), `FORWARD` (`training_step` begins), `BACKWARD_DONE` (`trai
 megatron's schedule ran the backward inside it), `GRAD_SYNC` (Lightning: the closure returned, the gradient
 reduction begins), `STEP_DONE` (the optimizer step returned), `BATCH_END` (the callback's batch end).
 `CHECKPOINT` marks a rank writing the persistent checkpoint (long and legitimate: the watchdog exempts it).
+
+`busy_s` is the time the rank's step `busy_step` took from `STEP_START` to `GRAD_SYNC`, less the time it waited in
+collectives of the user's code on the way (`waited`): its own work before it waits for the others in the gradient
+reduction (the launcher's straggler report, `launcher.stragglers`). In a
+synchronous step every rank's whole step takes as long as the slowest one's; this part does not. The NeMo
+engine's reduction runs inside megatron's schedule, before any mark, so it has no `GRAD_SYNC` and no `busy_s`.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-_FORMAT = struct.Struct("<QqiId")  # seq, step, phase, pid, wall time
-SIZE = 32
+_FORMAT = struct.Struct("<QqiIdqd")  # seq, step, phase, pid, wall time, busy step, busy seconds
+SIZE = 48
 
 STEP_START, OPTIMIZER, FORWARD, BACKWARD_DONE, GRAD_SYNC, STEP_DONE, BATCH_END, CHECKPOINT = range(1, 9)
 PHASE_NAMES = {STEP_START: "step start", OPTIMIZER: "optimizer step", FORWARD: "training_step",
@@ -44,6 +50,8 @@ class Beacon:
     phase: int
     pid: int
     t: float
+    busy_step: int = 0  # the last step that reached its gradient reduction (0: none yet)
+    busy_s: float = 0.0  # its time from step start to the reduction
 
     @property
     def where(self) -> tuple[int, int]:
@@ -62,6 +70,9 @@ class ProgressBeacon:
         self._map: mmap.mmap | None = None
         self._seq = 0
         self._pid = os.getpid()
+        self._started = (0, 0.0)  # (step, wall time) of the last STEP_START
+        self._busy = (0, 0.0)  # (step, seconds) of the last step that reached GRAD_SYNC
+        self._waited = 0.0  # seconds of this step spent in collectives of the user's code (`waited`)
         path = beacon_path(run_dir, rank)
         try:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -81,9 +92,19 @@ class ProgressBeacon:
         if m is None:
             return
         self._seq += 1
+        now = time.time()
+        if phase == STEP_START:
+            self._started, self._waited = (step, now), 0.0
+        elif phase == GRAD_SYNC and self._started[0] == step:
+            self._busy = (step, max(0.0, now - self._started[1] - self._waited))
         # seq last: a reader never takes a half-written record for a new one.
-        m[8:SIZE] = _FORMAT.pack(0, step, phase, self._pid, time.time())[8:]
+        m[8:SIZE] = _FORMAT.pack(0, step, phase, self._pid, now, *self._busy)[8:]
         m[0:8] = self._seq.to_bytes(8, "little")
+
+    def waited(self, seconds: float) -> None:
+        """Time this step spent waiting in a collective of its own (`self.log(sync_dist=True)`): not its work, so
+        not `busy_s` (the fast ranks wait there for the slow one)."""
+        self._waited += seconds
 
     def close(self) -> None:
         if self._map is not None:
@@ -101,8 +122,8 @@ def read_beacon(path: str | os.PathLike[str]) -> Beacon | None:
                 second = f.read(SIZE)
                 f.seek(0)
                 if len(first) == SIZE and first == second:
-                    seq, step, phase, pid, t = _FORMAT.unpack(second)
-                    return Beacon(seq, step, phase, pid, t) if seq else None
+                    seq, step, phase, pid, t, busy_step, busy_s = _FORMAT.unpack(second)
+                    return Beacon(seq, step, phase, pid, t, busy_step, busy_s) if seq else None
     except OSError:
         return None
     return None

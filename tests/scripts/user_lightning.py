@@ -55,11 +55,13 @@ class RegressionData(pl.LightningDataModule):
 
 
 class Regressor(pl.LightningModule):
-    def __init__(self, features: int = 16, hidden: int = 64, step_sleep: float = 0.0) -> None:
+    def __init__(self, features: int = 16, hidden: int = 64, step_sleep: float = 0.0, slow_rank: int = -1,
+                 slow_s: float = 0.0) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, hidden),
                                  nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, 1))
         self.step_sleep = step_sleep
+        self.slow_rank, self.slow_s = slow_rank, slow_s  # a straggler: this rank's steps take slow_s longer
         self.val_batches = 0
 
     def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
@@ -69,6 +71,8 @@ class Regressor(pl.LightningModule):
             x, y = batch  # type: ignore[misc]
         if self.step_sleep:
             time.sleep(self.step_sleep)
+        if self.global_rank == self.slow_rank:
+            time.sleep(self.slow_s)
         loss = nn.functional.mse_loss(self.net(x).squeeze(1), y)
         self.log("train_loss", loss, sync_dist=True, on_step=True)
         return loss
@@ -108,13 +112,15 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--devices", default="4")
     parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--slow-rank", type=int, default=-1, help="a straggler: this rank sleeps --slow-s a step")
+    parser.add_argument("--slow-s", type=float, default=0.0)
     parser.add_argument("--val-every", type=int, default=0, help="validate every N batches (0: no validation)")
     parser.add_argument("--precision", default="32-true")
     args = parser.parse_args()
     run_dir = os.environ.get("NCL_RUN_DIR", ".")
 
     pl.seed_everything(1234, verbose=False)
-    model = Regressor(step_sleep=args.step_sleep)
+    model = Regressor(step_sleep=args.step_sleep, slow_rank=args.slow_rank, slow_s=args.slow_s)
     trainer = pl.Trainer(
         accelerator="cpu", devices=int(args.devices) if args.devices.isdigit() else args.devices,
         num_nodes=args.num_nodes,
