@@ -159,11 +159,12 @@ class Liveness:
     seen: dict[int, tuple[int, float, float]] = field(default_factory=dict)
 
     def refresh(self) -> list[int]:
-        """Read every live node's beat; returns the nodes found lost by this read."""
+        """Read every live node's beat; returns the nodes found lost by this read. A node never finds itself lost
+        (a beat delayed on a loaded machine would have it fence its own healthy ranks)."""
         now, wall = time.monotonic(), time.time()
         newly = []
         for n in range(self.spec.total_nodes):
-            if n in self.lost:
+            if n in self.lost or n == self.spec.node_rank:
                 continue
             beat = int(self.store.add(node_key(n, "beat"), 0))
             last = self.seen.get(n)
