@@ -78,6 +78,24 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def process_environ(threads: int, extra_env: dict[str, str]) -> dict[str, str]:
+    """The environment of a rank or spare this launcher (or a node's agent) starts: its own, one thread count, and
+    `extra_env` (the job's variables) on top."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
+               **{LAUNCHER_PID_ENV: str(os.getpid())}, **extra_env)
+    return env
+
+
+def start_process(argv: list[str], env: dict[str, str], log: Path | None
+                  ) -> tuple[subprocess.Popen[bytes], IO[bytes] | None]:
+    """A child that dies with this process, its output in `log` (a private file) or on this terminal (None)."""
+    out = os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") if log is not None else None
+    popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                             preexec_fn=_die_with_parent)
+    return popen, out
+
+
 def host_store(host: str, timeout_s: float, port: int | None = None, key: str = "--master-port"
                ) -> tuple[dist.TCPStore, int]:
     """A TCPStore server listening on `host` only (TCPStore alone would listen on every interface), on `port`
@@ -127,6 +145,17 @@ class _Proc:
     out: IO[bytes] | None
 
 
+def stop_processes(procs: list[_Proc]) -> None:
+    """SIGKILL every process still running, then reap them all and close their logs."""
+    for p in procs:
+        if p.popen.poll() is None:
+            p.popen.kill()
+    for p in procs:
+        p.popen.wait()
+        if p.out is not None:
+            p.out.close()
+
+
 @dataclass
 class _Job:
     cfg: Config
@@ -163,11 +192,7 @@ class _Job:
     node_lost: set[int] = field(default_factory=set)  # several nodes: ranks that died with their node
 
     def process_env(self, extra_env: dict[str, str]) -> dict[str, str]:
-        env = dict(os.environ)
-        threads = str(self.cfg.launcher.threads_per_rank)
-        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1",
-                   **{LAUNCHER_PID_ENV: str(os.getpid())}, **extra_env)
-        return env
+        return process_environ(self.cfg.launcher.threads_per_rank, extra_env)
 
     def _start(self, extra_env: dict[str, str], log_name: str | None) -> _Proc:
         popen, log, out = self._spawn(extra_env, log_name)
@@ -175,15 +200,9 @@ class _Job:
 
     def _spawn(self, extra_env: dict[str, str], log_name: str | None
                ) -> tuple[subprocess.Popen[bytes], Path | None, IO[bytes] | None]:
-        env = self.process_env(extra_env)
-        out: IO[bytes] | None = None
-        log = None
-        if log_name is not None:
-            log = self.run_dir / "logs" / log_name
-            out = os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+        log = self.run_dir / "logs" / log_name if log_name is not None else None
         argv = [sys.executable, "-m", self.worker_module] if self.command is None else self.command
-        popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                 preexec_fn=_die_with_parent)
+        popen, out = start_process(argv, self.process_env(extra_env), log)
         return popen, log, out
 
     def _env(self, rank: int) -> dict[str, str]:
@@ -597,12 +616,6 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None,
     finally:
         if job.factory is not None:
             job.factory.close()  # forks nothing more: every spare's pid is known below
-        for p in [*job.ranks.values(), *job.spares.values()]:
-            if p.popen.poll() is None:
-                p.popen.kill()
-        for p in [*job.ranks.values(), *job.spares.values()]:
-            p.popen.wait()
-            if p.out is not None:
-                p.out.close()
+        stop_processes([*job.ranks.values(), *job.spares.values()])
         remove_job_cache(cfg.data.cache_root, job_id)  # every rank has exited: nobody reads it any more
     return job.summary(round(time.perf_counter() - t0, 3))

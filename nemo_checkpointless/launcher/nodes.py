@@ -28,14 +28,13 @@ import json
 import os
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch.distributed as dist
 
@@ -46,10 +45,12 @@ from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.launcher.local import (
     WORKER_MODULES,
     LaunchError,
-    _die_with_parent,
     _Job,
     _Proc,
     host_store,
+    process_environ,
+    start_process,
+    stop_processes,
 )
 from nemo_checkpointless.protocol import GENERATION_KEY, JOB_ID_KEY, SPARE_ID_ENV
 from nemo_checkpointless.restart.template import SPARE_REFILL_ENV
@@ -217,7 +218,6 @@ class ClusterJob(_Job):
     homes: dict[str, int] = field(default_factory=dict)  # uid -> node
     logs: dict[str, str] = field(default_factory=dict)  # uid -> log file name ("" : the agent's terminal)
     next_uid: int = 0
-    spare_homes: dict[int, int] = field(default_factory=dict)  # spare id -> node
     t_start: float = 0.0  # wall time the job started (the summary's wall_s, whoever leads at the end)
     lost_t: float | None = None  # the last beat of a node just found lost: when its ranks' fault happened
     _node: int = 0  # where the next process starts (`start_rank`, `start_spare` -> `_start`)
@@ -324,7 +324,6 @@ class ClusterJob(_Job):
         spare_id = self.next_spare
         self.next_spare += 1
         self._node = node
-        self.spare_homes[spare_id] = node
         env = {**self.spare_env(), SPARE_ID_ENV: str(spare_id), SPARE_REFILL_ENV: "1" if refill else "0"}
         self.spares[spare_id] = self._start(env, f"spare_{spare_id}.log")
 
@@ -362,7 +361,7 @@ class ClusterJob(_Job):
                 "ranks": {str(r): proc(p) for r, p in self.ranks.items()},
                 "spares": {str(k): proc(p) for k, p in self.spares.items()},
                 "pids": {str(r): [proc(p) for p in ps] for r, ps in self.pids.items()},
-                "homes": self.homes, "logs": self.logs, "spare_homes": {str(k): n for k, n in self.spare_homes.items()},
+                "homes": self.homes, "logs": self.logs,
                 "lost": sorted(self.live.lost), "reports": {str(n): r for n, r in self.reports.items()}}
 
     def save(self) -> None:
@@ -389,7 +388,6 @@ class ClusterJob(_Job):
         self.ranks = {int(r): proc(u) for r, u in state["ranks"].items()}
         self.spares = {int(k): proc(u) for k, u in state["spares"].items()}
         self.pids = {int(r): [proc(u) for u in us] for r, us in state["pids"].items()}
-        self.spare_homes = {int(k): n for k, n in state["spare_homes"].items()}
         # A spare the previous leader assigned just before it was lost (its assignment is in the store, not in
         # the state): not a spare any more, so never handed out twice.
         for k in [k for k in self.spares if self.store.check([protocol.spare_assign_key(k)])]:
@@ -409,12 +407,6 @@ class ClusterJob(_Job):
 
 
 # ------------------------------------------------------------------------------------------------ every node
-@dataclass
-class _Local:
-    popen: subprocess.Popen[bytes]
-    out: IO[bytes] | None
-
-
 class NodeAgent:
     """One node's agent: its processes, its beat, and the leader's role when it is its turn."""
 
@@ -422,7 +414,7 @@ class NodeAgent:
                  command: list[str] | None) -> None:
         self.cfg, self.spec, self.run_dir = cfg, spec, run_dir
         self.worker_module, self.command = worker_module, command
-        self.procs: dict[str, _Local] = {}
+        self.procs: dict[str, _Proc] = {}
         self.codes: dict[str, list[Any]] = {}  # uid -> [pid, code]
         self.done_cmds = 0
         self.reported = ""
@@ -577,30 +569,14 @@ class NodeAgent:
             if uid in self.procs and self.procs[uid].popen.poll() is None:
                 self.procs[uid].popen.kill()
             return
-        threads = str(self.cfg.launcher.threads_per_rank)
-        env = dict(os.environ)
-        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1", **command["env"])
-        env.update({protocol.LAUNCHER_PID_ENV: str(os.getpid()), protocol.LOCAL_ADDR_ENV: self.spec.local_addr,
-                    "GROUP_RANK": str(self.spec.node_rank)})
+        node = {protocol.LOCAL_ADDR_ENV: self.spec.local_addr, "GROUP_RANK": str(self.spec.node_rank)}
         if self.ifname:
-            env["GLOO_SOCKET_IFNAME"] = self.ifname
-        out: IO[bytes] | None = None
-        if command["log"]:
-            log = self.run_dir / "logs" / command["log"]
-            out = os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
-        popen = subprocess.Popen(command["argv"], env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                 preexec_fn=_die_with_parent)
-        self.procs[uid] = _Local(popen, out)
+            node["GLOO_SOCKET_IFNAME"] = self.ifname
+        env = process_environ(self.cfg.launcher.threads_per_rank, {**command["env"], **node})
+        log = self.run_dir / "logs" / command["log"] if command["log"] else None
+        popen, out = start_process(command["argv"], env, log)
+        self.procs[uid] = _Proc(popen, log, out)
         self.codes[uid] = [popen.pid, None]
-
-    def kill_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.popen.poll() is None:
-                proc.popen.kill()
-        for proc in self.procs.values():
-            proc.popen.wait()
-            if proc.out is not None and not proc.out.closed:
-                proc.out.close()
 
     # -------------------------------------------------------------- the loop
     def leader(self) -> int:
@@ -654,7 +630,7 @@ class NodeAgent:
                               ) from None
         finally:
             self.stop.set()
-            self.kill_all()
+            stop_processes(list(self.procs.values()))
             with contextlib.suppress(RuntimeError, OSError):
                 if self.store.check([JOB_ID_KEY]):
                     remove_job_cache(self.cfg.data.cache_root, self.store.get(JOB_ID_KEY).decode())
