@@ -12,7 +12,7 @@ from typing import Any
 
 from nemo_checkpointless.errors import ConfigError
 
-FAULT_KINDS = ("kill", "exception", "corrupt", "hang", "spin", "stall", "gil")
+FAULT_KINDS = ("kill", "exception", "corrupt", "hang", "spin", "stall", "gil", "grow")
 ENGINES = ("lightning", "nemo")
 PRECISIONS = ("32-true", "bf16-mixed")
 
@@ -192,9 +192,23 @@ class ReplicationConfig:
     # agents with launcher.node_rank >= trainer.num_nodes; a lost node's ranks can move there together.
     spare_nodes: int = 0
     checksum: bool = True
+    # No spare for a failed rank: go on with the whole optimizer instances (the same global batch, each of their
+    # ranks also training a dropped rank's micro-batches), and grow back when spares are ready (topology.shrink).
+    shrink: bool = False
+    # With shrink: how long a fault waits for a spare that is still starting before the job shrinks (0: shrink at
+    # once when no spare is ready).
+    replacement_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive("replication.num_instances", self.num_instances)
+        if not isinstance(self.replacement_timeout_s, (int, float)) or self.replacement_timeout_s < 0:
+            raise ConfigError("replication.replacement_timeout_s", self.replacement_timeout_s, "must be >= 0 seconds",
+                              "use 0 (shrink at once when no spare is ready) or the seconds a starting spare may "
+                              "take, e.g. 30")
+        if self.shrink and self.num_instances == 1:
+            raise ConfigError("replication.shrink", self.shrink,
+                              "needs replication.num_instances >= 2: with one optimizer instance there is nothing "
+                              "to shrink to", "set replication.num_instances=2, or replication.shrink=false")
         if self.spare_nodes < 0:
             raise ConfigError("replication.spare_nodes", self.spare_nodes, "must be >= 0", "use 0, 1, 2, ...")
         if self.spares < 0:
@@ -217,9 +231,10 @@ class CheckpointConfig:
 @dataclass
 class FaultSpec:
     """One injected fault on `rank` when it starts step `step`: `kill` (SIGKILL), `exception` (raised in the step),
-    `hang` (SIGSTOP: found by the collective timeout and the launcher's watchdog), or `corrupt` (from then on, the
+    `hang` (SIGSTOP: found by the collective timeout and the launcher's watchdog), `corrupt` (from then on, the
     next state this rank sends to a replacement has a flipped byte after its checksum was taken: the receiver must
-    detect it and the job fall back to the checkpoint)."""
+    detect it and the job fall back to the checkpoint); `spin`, `stall`, `gil` (hangs of other kinds); or `grow`
+    (not a fault: a shrunk world grows back after that step, `replication.shrink`)."""
 
     kind: str = "kill"
     rank: int = 0
@@ -350,6 +365,15 @@ class Config:
                               "lower data.seq_len or raise model.max_seq_len")
         self.dims()
         self._check_model_split()
+        if self.replication.shrink and self.engine != "lightning":
+            raise ConfigError("replication.shrink", True, f"is built for engine=lightning; this recipe has "
+                              f"engine={self.engine} (megatron's data-parallel groups do not shrink)",
+                              "drop replication.shrink, or keep spares (replication.spares) for every fault")
+        if self.replication.shrink and self.trainer.num_nodes > 1:
+            raise ConfigError("replication.shrink", True,
+                              f"runs on one node in this release; the job has trainer.num_nodes="
+                              f"{self.trainer.num_nodes}", "drop replication.shrink, or keep spare nodes "
+                              "(replication.spare_nodes)")
         world = self.trainer.world_size
         for i, spec in enumerate(self.fault.plan):
             if spec.kind not in FAULT_KINDS:

@@ -34,6 +34,10 @@ START_TIMEOUT_ENV = f"{ENV_PREFIX}START_TIMEOUT_S"
 CHECKPOINT_EVERY_ENV = f"{ENV_PREFIX}CHECKPOINT_EVERY_N_STEPS"
 CHECKPOINT_DIR_ENV = f"{ENV_PREFIX}CHECKPOINT_DIR"
 NUM_INSTANCES_ENV = f"{ENV_PREFIX}NUM_INSTANCES"
+# replication.shrink: with no spare, the job may go on with its whole optimizer instances (the strategy checks at
+# start-up that it can serve a dropped rank's samples); and how long a fault then waits for a spare that is starting.
+SHRINK_ENV = f"{ENV_PREFIX}SHRINK"
+REPLACEMENT_TIMEOUT_ENV = f"{ENV_PREFIX}REPLACEMENT_TIMEOUT_S"
 CACHE_ROOT_ENV = f"{ENV_PREFIX}CACHE_ROOT"  # where the job's shared-memory batch cache lives (default /dev/shm)
 FAULT_PLAN_ENV = f"{ENV_PREFIX}FAULT_PLAN"  # JSON list of {kind, rank, step}: test and benchmark faults
 # The recipe's model-parallel layout, set by `checkpointless-train recipe=NAME script=...` only (not by
@@ -56,6 +60,9 @@ GENERATION_KEY = "job/generation"  # the launcher's current generation (set when
 FAULT_KEY = "job/fault_generation"  # the generation the launcher declared failed most recently
 STEP_TIMES_KEY = "job/step_times"  # rank 0 appends "<step> <unix time>;" as each step completes
 JOB_ID_KEY = "job/data_cache_id"  # the job id that names the shared-memory batch cache
+# Set by the launcher while the job is shrunk and a spare is ready for every missing rank: the ranks of the
+# shrunk world agree (in their gradient all-reduce) on the step after which they grow back.
+GROW_KEY = "job/grow"
 
 
 def local_addr(store_host: str) -> str:
@@ -81,6 +88,12 @@ def hang_key(generation: int) -> str:
 def alive_key(generation: int, rank: int) -> str:
     """Set by every rank that reaches recovery from `generation`: the ranks that never set it are the hung ones."""
     return f"job/alive/{generation}/{rank}"
+
+
+def regroup_key(generation: int) -> str:
+    """Set by the ranks of a shrunk `generation` once they have agreed to grow back and left `fit` at a step
+    boundary: the launcher publishes the next generation, the full world, with the missing ranks given spares."""
+    return f"job/regroup/{generation}"
 
 
 def injected_key(index: int) -> str:
@@ -134,20 +147,25 @@ class Assignment:
 
 @dataclass(frozen=True)
 class GenerationInfo:
-    """What the launcher publishes with a generation: the ranks it replaced, when the fault was seen, and the step
-    the fault interrupted when it knows it (ranks stamp when they are back there)."""
+    """What the launcher publishes with a generation: the ranks it replaced, when the fault was seen, the step
+    the fault interrupted when it knows it (ranks stamp when they are back there), and the ranks that train in it
+    (`active`: None for the whole world; a shrunk world's ranks otherwise, see `topology.shrink`)."""
 
     failed: list[int]
     fault_t: float
     target_step: int | None = None
+    active: list[int] | None = None
 
     def to_json(self) -> str:
-        return json.dumps({"failed": self.failed, "fault_t": self.fault_t, "target_step": self.target_step})
+        return json.dumps({"failed": self.failed, "fault_t": self.fault_t, "target_step": self.target_step,
+                           "active": self.active})
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> GenerationInfo:
         data = json.loads(raw)
-        return cls(list(data["failed"]), float(data["fault_t"]), data.get("target_step"))
+        active = data.get("active")
+        return cls(list(data["failed"]), float(data["fault_t"]), data.get("target_step"),
+                   None if active is None else [int(r) for r in active])
 
 
 _TRAINING: list[int] = []  # this process's pid once it has said that it trains

@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     ours.add_argument("--hang-deadline", "--hang_deadline", type=float, default=0.0, metavar="S",
                       help="the progress watchdog's deadline: a rank without progress this long (stopped, busy, or "
                            "idle behind the others) is replaced; 0: max(5 s, 10 x p95 step time); < 0: off")
+    ours.add_argument("--shrink", action="store_true",
+                      help="when a rank fails and no spare is ready, go on with the whole optimizer instances (the "
+                           "same global batch) and grow back when spares are ready")
+    ours.add_argument("--replacement-timeout", "--replacement_timeout", type=float, default=0.0, metavar="S",
+                      help="with --shrink: how long a fault waits for a spare that is still starting "
+                           "(0: shrink at once)")
     parser.set_defaults(max_restarts=3)
     return parser
 
@@ -226,6 +232,15 @@ def _config(args: argparse.Namespace) -> Any:
     if instances < 1 or world % instances:
         raise ConfigError("--num-instances", instances, f"must divide the data-parallel size {world}",
                           f"use a divisor of {world}")
+    if args.replacement_timeout < 0:
+        raise ConfigError("--replacement-timeout", args.replacement_timeout, "must be >= 0 seconds",
+                          "use 0 (shrink at once when no spare is ready) or the seconds a starting spare may take")
+    if args.shrink and instances == 1:
+        raise ConfigError("--shrink", True, "needs --num-instances >= 2: with one optimizer instance there is "
+                          "nothing to shrink to", "use --num-instances 2, or drop --shrink")
+    if args.shrink and nnodes > 1:
+        raise ConfigError("--shrink", True, f"runs on one node in this release (--nnodes {nnodes})",
+                          "drop --shrink, or keep spare nodes (--spare-nodes)")
     plan = _fault_plan(args.fault)
     cfg = Config()
     script_name = Path(args.training_script).stem or "job"
@@ -236,7 +251,8 @@ def _config(args: argparse.Namespace) -> Any:
         cfg, recipe_name=f"script:{script_name}", run=replace(cfg.run, dir=run_dir),
         trainer=replace(cfg.trainer, devices=nproc, num_nodes=nnodes, max_steps=1 << 30),
         replication=replace(cfg.replication, num_instances=instances, spares=args.spares,
-                            spare_nodes=args.spare_nodes),
+                            spare_nodes=args.spare_nodes, shrink=args.shrink,
+                            replacement_timeout_s=args.replacement_timeout),
         checkpoint=replace(cfg.checkpoint, every_n_steps=args.checkpoint_every),
         fault=replace(cfg.fault, plan=[FaultSpec(**f) for f in plan]),
         launcher=replace(cfg.launcher, host=args.master_addr, max_restarts=args.max_restarts,

@@ -33,6 +33,7 @@ from nemo_checkpointless.protocol import (
     ENV_PREFIX,
     FAULT_KEY,
     GENERATION_KEY,
+    GROW_KEY,
     JOB_ID_KEY,
     LAUNCHER_PID_ENV,
     SPARE_ID_ENV,
@@ -44,6 +45,7 @@ from nemo_checkpointless.protocol import (
     hang_key,
     injected_key,
     record_key,
+    regroup_key,
     spare_assign_key,
     spare_ready_key,
     training_key,
@@ -51,6 +53,7 @@ from nemo_checkpointless.protocol import (
 from nemo_checkpointless.restart.cost import RATE_WINDOW, StepTimes, fault_costs
 from nemo_checkpointless.restart.template import SPARE_REFILL_ENV
 from nemo_checkpointless.restart.worker_env import WorkerEnv
+from nemo_checkpointless.topology.shrink import shrink_layout
 
 WORKER_MODULE = "nemo_checkpointless.lightning.worker"
 WORKER_MODULES = {"lightning": WORKER_MODULE, "nemo": "nemo_checkpointless.nemo.worker"}  # by `engine`
@@ -190,6 +193,12 @@ class _Job:
     finished_late: set[int] = field(default_factory=set)  # ranks that died after their training had ended
     in_process: bool = False  # a process of the job runs CheckpointlessStrategy (see `recovers_in_process`)
     node_lost: set[int] = field(default_factory=set)  # several nodes: ranks that died with their node
+    # A shrunk world (replication.shrink, `topology.shrink`): the ranks that train (None: all), the survivors
+    # left out of it (their processes wait inside `fit` for the job to grow back), the ranks with no process.
+    active: list[int] | None = None
+    parked: set[int] = field(default_factory=set)
+    missing: set[int] = field(default_factory=set)
+    actives: dict[int, list[int]] = field(default_factory=dict)  # generation -> its active ranks, when shrunk
 
     def process_env(self, extra_env: dict[str, str]) -> dict[str, str]:
         return process_environ(self.cfg.launcher.threads_per_rank, extra_env)
@@ -208,6 +217,9 @@ class _Job:
     def _env(self, rank: int) -> dict[str, str]:
         world = self.cfg.trainer.world_size
         env = WorkerEnv(rank, world, rank, self.cfg.launcher.host, self.port, str(self.run_dir)).to_environ()
+        if self.cfg.replication.shrink:
+            env[protocol.SHRINK_ENV] = "1"
+            env[protocol.REPLACEMENT_TIMEOUT_ENV] = str(self.cfg.replication.replacement_timeout_s)
         if self.command is not None:
             env.update(self.torchrun_env(rank))
         return env
@@ -307,27 +319,46 @@ class _Job:
             if self.command is not None:
                 self.rdzv_store = host_store(self.cfg.launcher.host, self.cfg.launcher.start_timeout_s)
         how: dict[int, str] = {}
-        for rank in list(self.ranks) if restart_all else failed:
+        reshape: str | None = None
+        active: list[int] | None = None
+        if not restart_all and self.active is not None:
+            # A fault in a shrunk world: it grows back at once, every missing rank given a process and the parked
+            # ones taking part as replacements (they receive their state like a spare would).
+            reshape = "grow"
+            for rank in sorted(self.missing):
+                self.ranks[rank] = self._take_spare_or_start(rank, how)
+            rejoin = sorted(self.missing | self.parked)
+            self.missing.clear()
+            self.parked.clear()
+            self.active = None
+        elif not restart_all and self.cfg.replication.shrink and len(self._ready_spares(failed)) < len(failed):
+            shrunk = shrink_layout(self.cfg.dims(), failed)
+            if shrunk is not None:
+                reshape, active = "shrink", list(shrunk)
+        if reshape == "shrink":
+            assert active is not None
+            # No spare for them: the whole instances go on alone, and spares are started for the lost ranks (the
+            # job grows back when they are ready, `tick`).
+            for rank in failed:
+                dead = self.ranks.pop(rank)
+                if dead.out is not None:
+                    dead.out.close()
+                how[rank] = "none: the job shrank"
+            self.missing = set(failed)
+            self.parked = {r for r in self.ranks if r not in active}
+            self.active = active
+            self.actives[self.generation] = active
+            self.refill += max(0, len(failed) - len([p for p in self.spares.values() if p.popen.poll() is None]))
+        for rank in [] if reshape == "shrink" else list(self.ranks) if restart_all else failed:
             dead = self.ranks.pop(rank)
             if dead.out is not None:
                 dead.out.close()
             if restart_all:
                 self.start_rank(rank, join_generation=self.generation, restart=True)
                 continue
-            live = [k for k, p in self.spares.items() if p.popen.poll() is None]
-            # A spare that finished its imports first; one still starting is still ahead of a cold start.
-            live.sort(key=lambda k: not self.store.check([spare_ready_key(k)]))
-            if live:
-                spare_id = live[0]
-                how[rank] = "warm spare" if self.store.check([spare_ready_key(spare_id)]) else "starting spare"
-                proc = self.spares.pop(spare_id)
-                self.store.set(spare_assign_key(spare_id), protocol.Assignment(rank, self.generation).to_json())
-                self.ranks[rank] = proc
-                self.pids.setdefault(rank, []).append(proc)
-                self.refill += 1
-            else:
-                how[rank] = "cold start"
-                self.start_rank(rank, join_generation=self.generation)
+            self.ranks[rank] = self._take_spare_or_start(rank, how)
+        if reshape == "grow":
+            failed = sorted({*failed, *rejoin})
         fault_t = min([t_seen, *(i["t"] for i in injected.values())])
         kinds = sorted({i["kind"] for i in injected.values()}
                        | {"hang" for r in failed if r in self.hung and r not in injected}
@@ -340,13 +371,91 @@ class _Job:
         # back there, which is how a recovery and a whole-job restart are compared.
         target = min((i["step"] for i in injected.values()), default=None)
         self.faults.append({"generation": self.generation, "failed_ranks": failed, "fault_kind": "+".join(kinds),
-                            "fault_t": fault_t, "exit_codes": {str(r): codes[r] for r in failed},
+                            "fault_t": fault_t, "exit_codes": {str(r): codes.get(r) for r in failed},
                             "target_step": target, "restart_all": restart_all,
                             "hang": {str(r): self.hang_reasons.pop(r) for r in failed if r in self.hang_reasons},
-                            "replacement": {str(r): how.get(r, "whole-job restart") for r in failed}})
+                            "replacement": {str(r): how.get(r, "whole-job restart") for r in failed},
+                            **({"reshape": reshape, "active_ranks": active} if reshape else {})})
+        if reshape:
+            self.say_reshape(reshape, active)
         self.store.set(generation_info_key(self.generation),
-                       protocol.GenerationInfo(failed, fault_t, target).to_json())
+                       protocol.GenerationInfo(failed, fault_t, target, active).to_json())
         self.store.set(GENERATION_KEY, str(self.generation))
+
+    def _ready_spares(self, failed: list[int]) -> list[int]:
+        """The spares ready to take a rank now; with replication.replacement_timeout_s, first waits that long for
+        spares still starting to become ready (the survivors wait in their recovery meanwhile)."""
+        def ready() -> list[int]:
+            return [k for k, p in self.spares.items()
+                    if p.popen.poll() is None and self.store.check([spare_ready_key(k)])]
+
+        deadline = time.monotonic() + self.cfg.replication.replacement_timeout_s
+        starting = any(p.popen.poll() is None for p in self.spares.values())
+        while starting and len(ready()) < len(failed) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        return ready()
+
+    def _take_spare_or_start(self, rank: int, how: dict[int, str]) -> _Proc:
+        """A process for `rank` in the generation being published: a spare (ready first; one still starting is
+        still ahead of a cold start), else a fresh process."""
+        live = [k for k, p in self.spares.items() if p.popen.poll() is None]
+        live.sort(key=lambda k: not self.store.check([spare_ready_key(k)]))
+        if live:
+            spare_id = live[0]
+            how[rank] = "warm spare" if self.store.check([spare_ready_key(spare_id)]) else "starting spare"
+            proc = self.spares.pop(spare_id)
+            self.store.set(spare_assign_key(spare_id), protocol.Assignment(rank, self.generation).to_json())
+            self.pids.setdefault(rank, []).append(proc)
+            self.refill += 1
+            return proc
+        how[rank] = "cold start"
+        self.start_rank(rank, join_generation=self.generation)
+        return self.ranks[rank]
+
+    def say_reshape(self, kind: str, active: list[int] | None) -> None:
+        if kind == "shrink":
+            assert active is not None
+            print(f"checkpointless: no spare for rank(s) {sorted(self.missing)}: the job goes on with ranks {active} "
+                  f"(the same global batch; rank(s) {sorted(self.parked)} wait) and grows back when spares are "
+                  "ready", file=sys.stderr, flush=True)
+        else:
+            print("checkpointless: the job grows back to every rank", file=sys.stderr, flush=True)
+
+    def grow(self) -> None:
+        """The shrunk world agreed to grow back and left `fit` at a step boundary (`regroup_key`): publish the next
+        generation, the whole world, each missing rank given a spare, the parked ranks receiving their state."""
+        self.generation += 1
+        how: dict[int, str] = {}
+        for rank in sorted(self.missing):
+            self.ranks[rank] = self._take_spare_or_start(rank, how)
+        rejoin = sorted(self.missing | self.parked)
+        self.missing.clear()
+        self.parked.clear()
+        self.active = None
+        self.store.delete_key(GROW_KEY)
+        now = time.time()
+        self.faults.append({"generation": self.generation, "failed_ranks": rejoin, "fault_kind": "grow",
+                            "fault_t": now, "exit_codes": {}, "target_step": None, "restart_all": False, "hang": {},
+                            "replacement": {str(r): how.get(r, "parked survivor") for r in rejoin},
+                            "reshape": "grow", "active_ranks": None})
+        self.say_reshape("grow", None)
+        self.store.set(generation_info_key(self.generation),
+                       protocol.GenerationInfo(rejoin, now, None, None).to_json())
+        self.store.set(GENERATION_KEY, str(self.generation))
+
+    def watch_shrunk(self) -> None:
+        """A shrunk world: once a spare is ready for every missing rank, ask the ranks to grow back (they agree on
+        the step in their gradient all-reduce and leave `fit` after it); when they have, publish it."""
+        if self.active is None:
+            return
+        if self.store.check([regroup_key(self.generation)]):
+            self.grow()
+            return
+        if any(f.kind == "grow" for f in self.cfg.fault.plan):
+            return  # a test's fault plan fixes the steps at which the job grows back (`grow`), not the spares
+        ready = [k for k, p in self.spares.items() if p.popen.poll() is None and self.store.check([spare_ready_key(k)])]
+        if len(ready) >= len(self.missing) and not self.store.check([GROW_KEY]):
+            self.store.set(GROW_KEY, str(self.generation))
 
     def fault_seen_t(self) -> float:
         """When the launcher saw the failure it is about to handle."""
@@ -364,7 +473,7 @@ class _Job:
             if g not in self.hang_handled and self.store.check([hang_key(g)]):
                 self.hang_deadline = time.monotonic() + self.cfg.launcher.collective_timeout_s
             return
-        live = [r for r, c in codes.items() if c is None]
+        live = [r for r, c in codes.items() if c is None and r not in self.parked]
         silent = [r for r in live if not self.store.check([alive_key(g, r)])]
         if silent and time.monotonic() < self.hang_deadline:
             return
@@ -403,7 +512,8 @@ class _Job:
             self.progress.reset()
             self.stragglers.reset()
             self.progress_generation = self.generation
-        live = {r: self.ranks[r].popen.pid for r, c in codes.items() if c is None and r not in self.hung}
+        live = {r: self.ranks[r].popen.pid for r, c in codes.items()
+                if c is None and r not in self.hung and r not in self.parked}
         for line in self.stragglers.observe(live):
             print(f"checkpointless: {line}", file=sys.stderr, flush=True)
         for rank, why in self.progress.check(live):
@@ -442,21 +552,24 @@ class _Job:
                 out[spec.rank] = json.loads(self.store.get(key))
         return out
 
+    def trained_in(self, generation: int) -> list[int]:
+        """The ranks that train in `generation` (a shrunk one's, or all)."""
+        return self.actives.get(generation) or list(range(self.cfg.trainer.world_size))
+
     def recovery_done(self, generation: int) -> bool:
-        world = self.cfg.trainer.world_size
-        return all(self.store.check([record_key(generation, r) + "/first_step"]) for r in range(world))
+        return all(self.store.check([record_key(generation, r) + "/first_step"]) for r in self.trained_in(generation))
 
     def _stamps(self, generation: int, kind: str) -> list[dict[str, Any]]:
-        keys = [record_key(generation, r) + f"/{kind}" for r in range(self.cfg.trainer.world_size)]
+        keys = [record_key(generation, r) + f"/{kind}" for r in self.trained_in(generation)]
         return [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
 
     def records(self) -> list[dict[str, Any]]:
         out = []
-        world = self.cfg.trainer.world_size
         superseded: list[dict[str, Any]] = []
         for fault in self.faults:
             g = fault["generation"]
-            recs = {r: json.loads(self.store.get(record_key(g, r))) for r in range(world)
+            world = len(self.trained_in(g))
+            recs = {r: json.loads(self.store.get(record_key(g, r))) for r in self.trained_in(g)
                     if self.store.check([record_key(g, r)])}
             if not recs and not fault["restart_all"] and fault is not self.faults[-1]:
                 # A later failure interrupted this recovery; the next generation recovered both: one record.
@@ -486,7 +599,7 @@ class _Job:
                 in_flight = completed + 1
             t0 = fault["fault_t"]
 
-            def elapsed(ts: list[dict[str, Any]], t0: float = t0) -> float | None:
+            def elapsed(ts: list[dict[str, Any]], t0: float = t0, world: int = world) -> float | None:
                 return round(max(s["t"] for s in ts) - t0, 4) if len(ts) == world else None
 
             out.append({
@@ -505,14 +618,26 @@ class _Job:
                 "exit_codes": fault["exit_codes"],
                 "replacement": fault["replacement"],
                 **({"hang": fault["hang"]} if fault.get("hang") else {}),  # why the watchdog declared it hung
+                # A change of the world's shape (replication.shrink): "shrink" (the ranks that went on) or "grow"
+                **({"reshape": fault["reshape"], "active_ranks": fault["active_ranks"]} if fault.get("reshape")
+                   else {}),
             })
         return out
 
 
     def tick(self) -> bool:
         """One poll of the job: a failed rank is replaced, hangs are looked for, spares refilled once a recovery
-        is done. True once every rank finished."""
+        is done, a shrunk world grown back. True once every rank (that trains) finished."""
         codes = self.exit_codes()
+        for rank in [r for r in self.parked if codes.get(r) is not None]:
+            # A parked rank that dies interrupts nobody: it is one more rank the job grows back with a spare.
+            print(f"checkpointless: parked rank {rank} exited ({codes[rank]}); a spare will take its place",
+                  file=sys.stderr, flush=True)
+            self.parked.discard(rank)
+            self.missing.add(rank)
+            self.ranks.pop(rank)
+            del codes[rank]
+            self.refill += 1
         failed = [r for r, c in codes.items() if c not in (None, 0)]
         if failed and any(c == 0 for c in codes.values()):
             # Peers that finished cannot recover it (the job ends as a whole or not at all): stop, not wait.
@@ -527,10 +652,11 @@ class _Job:
             failed = [r for r, c in codes.items() if c not in (None, 0)]
             self.replace(failed, codes)
             return False
-        if all(c == 0 for c in codes.values()):
-            return True
+        if all(c == 0 for r, c in codes.items() if r not in self.parked):
+            return True  # a shrunk world finished; its parked ranks are stopped with the spares
         self.watch_hangs(codes)
         self.watch_progress(codes)
+        self.watch_shrunk()
         if self.unrecovered and self.recovery_done(self.generation):
             self.unrecovered = 0  # the restart budget counts failures in a row, not the run's recoveries
         if self.refill and self.recovery_done(self.generation):
@@ -573,6 +699,9 @@ class _Job:
             "data_sha256": worker_summary.get("data_sha256"),
             "rate_window_steps": RATE_WINDOW,
             "recoveries": recoveries,
+            # Changes of the world's shape (replication.shrink): when the job shrank and grew back, and to whom.
+            "reshapes": [{"kind": r["reshape"], "step": r["resumed_from_step"], "active_ranks": r["active_ranks"],
+                          "failed_ranks": r["failed_ranks"]} for r in recoveries if r.get("reshape")],
             **(self.stragglers.summary() if self.stragglers else {"stragglers": [], "rank_busy_s": {}}),
             "pids": {str(r): [p.popen.pid for p in procs] for r, procs in sorted(self.pids.items())},
         }

@@ -70,7 +70,8 @@ class CheckpointlessCallback(Callback):
         def corrupt() -> None:
             strategy.session.engine.corrupt_next_send = True
 
-        fire_faults(self.fault_plan, strategy.global_rank, step, strategy.membership.store, corrupt)
+        fire_faults(self.fault_plan, strategy.global_rank, step, strategy.membership.store, corrupt,
+                    grow=strategy._grow_at.add)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -88,7 +89,7 @@ class CheckpointlessCallback(Callback):
         train_s = time.perf_counter() - self._t_start
         digest = strategy.full_state_digest()
         store = strategy.membership.store
-        if trainer.global_rank != 0:
+        if not strategy.is_lead:  # rank 0, or the lowest rank of a shrunk world without it
             store.set(finished_key(os.getpid()), "1")
             return
         steps = trainer.global_step - self._start_step

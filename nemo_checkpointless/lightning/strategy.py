@@ -37,19 +37,20 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 from typing_extensions import override
 
 from nemo_checkpointless import protocol
 from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.replication import ShardedOptimizer
 from nemo_checkpointless.restart import Membership, PeerFailure, progress
-from nemo_checkpointless.restart.recovery import Decision, RestartFromCheckpoint
+from nemo_checkpointless.restart.recovery import Decision, Parked, Reshape, RestartFromCheckpoint
 from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
 from nemo_checkpointless.restart.worker_env import die_by_signal
 from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
 from nemo_checkpointless.state.rng import capture_rng, restore_rng
 from nemo_checkpointless.topology import ParallelDims, rank_info
+from nemo_checkpointless.topology.shrink import served_ranks
 
 STATE_VERSION = 1
 
@@ -68,9 +69,15 @@ def _set_counters(tracker: Any, value: int) -> None:
             setattr(tracker, stage, value)
 
 
+class _Regroup(Exception):  # a control-flow signal
+    """The shrunk world agreed to grow back after the step this rank just completed: leave `fit` at the boundary."""
+
+
 class _InProcessLauncher(_Launcher):
     """`trainer.fit` in this process. A hot spare waits here for the rank it replaces; a fallback to the persistent
-    checkpoint (`RestartFromCheckpoint`) leaves the fit loop and enters it again here, in the same process."""
+    checkpoint (`RestartFromCheckpoint`) leaves the fit loop and enters it again here, in the same process; so does
+    a change of the world's shape (`Reshape`: shrunk to the whole optimizer instances, or grown back), with this
+    rank's own state; a rank left out of a shrunk world (`Parked`) waits here until the job grows back."""
 
     def __init__(self, strategy: CheckpointlessStrategy) -> None:
         self.strategy = strategy
@@ -89,16 +96,39 @@ class _InProcessLauncher(_Launcher):
                **kwargs: Any) -> Any:
         strategy = self.strategy
         strategy.ensure_session()
+        rank = strategy.session.env.rank
         while True:
             try:
                 return function(*args, **kwargs)
             except RestartFromCheckpoint as restart:
-                print(f"[rank {strategy.session.env.rank}] {restart}", flush=True)
+                print(f"[rank {rank}] {restart}", flush=True)
                 strategy.join = JoinSpec("checkpoint", restart.generation, restart.decision.step)
+            except _Regroup:
+                strategy.keep_own_state()
+                try:
+                    strategy.session.engine.regroup(strategy)  # raises Reshape once the world is whole again
+                except Reshape as reshape:
+                    print(f"[rank {rank}] grown back: {reshape}", flush=True)
+                    strategy.join = JoinSpec("kept", reshape.generation, reshape.decision.step)
+                except RestartFromCheckpoint as restart:
+                    print(f"[rank {rank}] {restart}", flush=True)
+                    strategy.join = JoinSpec("checkpoint", restart.generation, restart.decision.step)
+            except Reshape as reshape:
+                print(f"[rank {rank}] {reshape}", flush=True)
+                strategy.keep_own_state()
+                strategy.join = JoinSpec("kept", reshape.generation, reshape.decision.step)
+            except Parked as parked:
+                print(f"[rank {rank}] {parked}", flush=True)
                 assert trainer is not None
                 trainer._teardown()
-                # The next fit processes the user's train loader again (a fresh iterator at the new position).
+                strategy.join = JoinSpec("replacement", strategy.session.engine.wait_to_rejoin())
+                print(f"[rank {rank}] rejoins at generation {strategy.join.generation}", flush=True)
                 trainer.fit_loop._combined_loader = None
+                continue
+            assert trainer is not None
+            trainer._teardown()
+            # The next fit processes the user's train loader again (a fresh iterator at the new position).
+            trainer.fit_loop._combined_loader = None
 
 
 class _ResumingSampler(Sampler[int]):
@@ -118,6 +148,55 @@ class _ResumingSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         if callable(getattr(self.inner, "set_epoch", None)):
             self.inner.set_epoch(epoch)
+
+
+class _ServedBatches(Sampler[list[int]]):
+    """A shrunk world's train batches for one rank: in each step, `accumulate` micro-batches of every rank it serves
+    (`topology.shrink.served_ranks`), in rank order, each drawn from that rank's own sampler (a copy of the
+    `DistributedSampler` with its rank): the same samples, step for step, as the full world trains. Skips the
+    steps already trained in the epoch when iterated; `slots` says whose each yielded micro-batch is."""
+
+    def __init__(self, template: BatchSampler, own: DistributedSampler, served: tuple[int, ...], accumulate: int,
+                 skip_steps: Callable[[], int]) -> None:
+        import copy
+
+        self.template = template
+        self.accumulate = accumulate
+        self.skip_steps = skip_steps
+        self.served = served
+        self.samplers: list[DistributedSampler] = []
+        for rank in served:
+            sampler = copy.copy(own)
+            sampler.rank = rank
+            self.samplers.append(sampler)
+        self.sampler = self  # Lightning sets the epoch through `batch_sampler.sampler.set_epoch`
+        self.slots: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        for sampler in self.samplers:
+            sampler.set_epoch(epoch)
+
+    def _batches(self, sampler: DistributedSampler) -> Iterator[list[int]]:
+        return iter(BatchSampler(sampler, self.template.batch_size, self.template.drop_last))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.slots = []
+        iters = [self._batches(s) for s in self.samplers]
+        skip = self.skip_steps() * self.accumulate
+        for it in iters:
+            for _ in itertools.islice(it, skip):
+                pass
+        while True:
+            blocks = [list(itertools.islice(it, self.accumulate)) for it in iters]
+            if not blocks[0]:
+                return
+            for rank, block in zip(self.served, blocks, strict=True):
+                for batch in block:
+                    self.slots.append(rank)
+                    yield batch
+
+    def __len__(self) -> int:
+        return len(self.template) * len(self.served)
 
 
 class CheckpointlessStrategy(ParallelStrategy):
@@ -173,6 +252,18 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._loops_resumed = False
         self.cache_batches = cache_batches
         self.cache_prefetch, self.cache_lookback = 16, 4
+        # A shrunk world (`topology.shrink`): the ranks whose micro-batches this rank trains in each step (itself
+        # alone in the whole world), the micro-batches per rank and step the user asked for, each served rank's
+        # batch hash of the step in flight, and the state kept across a re-entry of `fit` (`Reshape`).
+        self._served: tuple[int, ...] = ()
+        self._user_accumulate: int | None = None
+        self._step_hashes: dict[int, bytes] = {}
+        self._slot: int | None = None
+        self._served_loader: _ServedBatches | None = None
+        self._kept: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+        self._grow_at: set[int] = set()  # steps at which this rank asks to grow back (fault plan kind `grow`)
+        self._regroup = False  # the shrunk world agreed to grow back after the step just completed
+        self._writer_instance = 0
         self._cached: Any = None  # the CachedTrainLoader of the current fit
         env = os.environ
         if protocol.SPARE_ID_ENV in env:
@@ -235,6 +326,21 @@ class CheckpointlessStrategy(ParallelStrategy):
             on_rank=_set_rank_zero)
         self.num_instances = self._session.dims.num_instances
         self.join = self._session.join
+        if self.shrink_enabled and self.num_instances == 1:
+            raise ConfigError("replication.shrink (checkpointless-run --shrink)", True,
+                              "needs num_instances >= 2: with one optimizer instance there is nothing to shrink to",
+                              "use --num-instances 2 (CheckpointlessStrategy(num_instances=2)), or drop --shrink")
+        self._session.engine.extra_patience_s = env_number(protocol.REPLACEMENT_TIMEOUT_ENV, 0.0)
+
+    @property
+    def shrink_enabled(self) -> bool:
+        return os.environ.get(protocol.SHRINK_ENV) == "1"
+
+    @property
+    def is_lead(self) -> bool:
+        """Whether this rank speaks for the job (the summary, the step times): rank 0, or the lowest rank of a
+        shrunk world without it."""
+        return self.session.env.rank == self.membership.lead
 
     @override
     def setup_environment(self) -> None:
@@ -304,8 +410,15 @@ class CheckpointlessStrategy(ParallelStrategy):
             self.lightning_module, self.optimizers[0], dp_size=self.session.dims.dp,
             num_instances=self.num_instances, shard_index=info.shard_index, dp_group=lambda: membership.world(),
             instance_group=lambda: membership.group("instance", info.shard_group), grad_clip=self.grad_clip,
-            side_channel_numel=self.world_size * 32)
-        if self.join.kind == "replacement":
+            side_channel_numel=self.world_size * 32 + 1)  # + 1: a shrunk world's "grow back" flag
+        if self.join.kind == "kept":  # the same rank, its world reshaped: its own state, kept in memory
+            assert self._kept is not None
+            self.lightning_module.zero_grad(set_to_none=True)
+            self.load_state(*self._kept)
+            self._kept = None
+            self.session.stamps.track(self.join.generation)
+            step = self.join.step
+        elif self.join.kind == "replacement":
             decision = self.session.engine.join(self, self.join.generation)
             self.decisions.append(decision)
             self.session.stamps.track(self.membership.generation)
@@ -321,6 +434,22 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._in_step = False
         self._step_calls = []
         self._loops_resumed = False
+        self._regroup = False
+        # The world's shape in this generation: which ranks' micro-batches this rank trains, and the average over
+        # the ranks that take part in the gradient all-reduce.
+        active = self.membership.active
+        self._served = served_ranks(self.session.dims, active, self.session.env.rank)
+        # The first instance that trains writes the persistent checkpoint (instance 0 unless the job shrank without it)
+        self._writer_instance = min(rank_info(self.session.dims, r).instance for r in active) if active else 0
+        self.sharded.average_over = len(active) if active is not None else self.session.dims.dp
+        if self._user_accumulate is None:
+            self._user_accumulate = trainer.accumulate_grad_batches
+        trainer.accumulate_grad_batches = self._user_accumulate * len(self._served)
+        self.session.stamps.lead = self.is_lead
+
+    def keep_own_state(self) -> None:
+        """Keep this rank's step-boundary state in memory across a re-entry of `fit` (a reshaped world)."""
+        self._kept = self.boundary_state()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -329,6 +458,10 @@ class CheckpointlessStrategy(ParallelStrategy):
         from nemo_checkpointless.data.sampling import RankBatchSampler
 
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.shrink_enabled and trainer is not None and trainer.training and (
+                not isinstance(dataloader, DataLoader) or isinstance(dataloader.batch_sampler, RankBatchSampler)):
+            self._refuse_shrink(type(dataloader).__name__ if not isinstance(dataloader, DataLoader)
+                                else type(dataloader.batch_sampler).__name__)
         if (trainer is None or not trainer.training or not isinstance(dataloader, DataLoader)
                 or isinstance(dataloader.batch_sampler, RankBatchSampler)):
             return dataloader  # not the train loader, or one that starts at the data position itself
@@ -342,10 +475,50 @@ class CheckpointlessStrategy(ParallelStrategy):
             raise ConfigError("DataLoader(batch_sampler=...)", type(batch_sampler).__name__,
                               "the data position is restored through a torch BatchSampler's sampler",
                               "pass batch_size= and a sampler (or shuffle=) to the DataLoader instead")
+        if isinstance(batch_sampler, _ServedBatches):  # the same loader again, after a shrunk fit
+            batch_sampler = batch_sampler.template
+            object.__setattr__(dataloader, "batch_sampler", batch_sampler)  # DataLoader refuses a plain set
+        if self.shrink_enabled:
+            self._check_shrinkable(batch_sampler)
         if self.cache_batches:
             return self._cached_loader(trainer, dataloader)
         if not isinstance(batch_sampler.sampler, _ResumingSampler):
             batch_sampler.sampler = _ResumingSampler(batch_sampler.sampler, self._take_skip)
+        if len(self._served) > 1:
+            return self._served_dataloader(trainer, dataloader, batch_sampler)
+        self._served_loader = None
+        self._resume_loops(trainer, len(dataloader), batch_sampler.batch_size)
+        self._loops_resumed = True
+        return dataloader
+
+    def _check_shrinkable(self, batch_sampler: BatchSampler) -> None:
+        """At start-up, with replication.shrink: this loader can give a dropped rank's samples to another rank."""
+        inner = batch_sampler.sampler
+        inner = inner.inner if isinstance(inner, _ResumingSampler) else inner
+        if self.cache_batches or not isinstance(inner, DistributedSampler):
+            self._refuse_shrink("MmapDataModule (the shared-memory cache)" if self.cache_batches
+                                else type(inner).__name__)
+
+    @staticmethod
+    def _refuse_shrink(what: str) -> None:
+        raise ConfigError("replication.shrink (checkpointless-run --shrink)", True,
+                          f"a shrunk world trains a dropped rank's samples on another rank, which needs the "
+                          f"train loader's sampler to be a DistributedSampler (Lightning's own, "
+                          f"use_distributed_sampler=True); this loader uses {what}",
+                          "let Lightning shard the loader (a plain DataLoader with shuffle= and "
+                          "Trainer(use_distributed_sampler=True)), or drop --shrink")
+
+    def _served_dataloader(self, trainer: pl.Trainer, dataloader: DataLoader, batch_sampler: BatchSampler) -> Any:
+        """The loader of a shrunk world's rank: every served rank's micro-batches in each step (`_ServedBatches`)."""
+        wrapped = batch_sampler.sampler
+        own = wrapped.inner if isinstance(wrapped, _ResumingSampler) else wrapped
+        assert isinstance(own, DistributedSampler)
+        assert self._user_accumulate is not None
+        per_step = batch_sampler.batch_size * trainer.accumulate_grad_batches  # samples of the served stream
+        served = _ServedBatches(batch_sampler, own, self._served, self._user_accumulate,
+                                lambda: self._take_skip() // per_step)
+        object.__setattr__(dataloader, "batch_sampler", served)  # DataLoader refuses a plain set
+        self._served_loader = served
         self._resume_loops(trainer, len(dataloader), batch_sampler.batch_size)
         self._loops_resumed = True
         return dataloader
@@ -428,8 +601,10 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._boundary = (meta, tensors)
         assert self.sharded is not None
         step = self.sharded.completed_steps
+        if self._regroup:
+            raise _Regroup()  # caught by the launcher: every rank of the shrunk world leaves `fit` here
         every = self.session.checkpoint_every
-        if (every and step and step % every == 0 and self.info.instance == 0
+        if (every and step and step % every == 0 and self.info.instance == self._writer_instance
                 and self.session.checkpoints is not None):
             self.session.beacon.mark(step, progress.CHECKPOINT)
             tensors_out, meta_out = self.boundary_state()
@@ -439,13 +614,23 @@ class CheckpointlessStrategy(ParallelStrategy):
 
     def record_batch_hash(self, digest: bytes) -> None:
         """The hash of a micro-batch this rank trains on in the current step (sent with the gradients); several
-        micro-batches of one step (gradient accumulation) are chained."""
-        if self._in_step and self._pending_batch_hash is not None:
-            digest = hashlib.sha256(self._pending_batch_hash + digest).digest()
-        self._pending_batch_hash = digest
+        micro-batches of one step (gradient accumulation) are chained. In a shrunk world each micro-batch is
+        chained under the rank it is served for, and the RNG goes back to the step's boundary where the next
+        served rank's micro-batches begin: they draw (dropout, ...) what that rank draws in the whole world."""
         if not self._in_step:
             self._step_calls = []
             self._step_collectives = 0
+            self._step_hashes = {}
+            self._slot = None
+        slot = self.global_rank
+        if self._served_loader is not None and self._served_loader.slots:
+            slot = self._served_loader.slots.pop(0)
+            if self._slot is not None and slot != self._slot and self._boundary is not None:
+                restore_rng(*self._boundary)
+        self._slot = slot
+        before = self._step_hashes.get(slot)
+        self._step_hashes[slot] = digest if before is None else hashlib.sha256(before + digest).digest()
+        self._pending_batch_hash = digest
         self._in_step = True
 
     # ------------------------------------------------------------------------------------- a step, recovered
@@ -505,7 +690,12 @@ class CheckpointlessStrategy(ParallelStrategy):
         # Forward + backward (and Lightning's on_before_optimizer_step hooks) through the precision plugin.
         result = self.precision_plugin._wrap_closure(model, optimizer, closure)
         beacon.mark(step, progress.GRAD_SYNC)
-        side = encode_hash(self._pending_batch_hash, self.global_rank, self.world_size)
+        side = torch.zeros(self.world_size * 32 + 1)
+        for slot, digest in self._step_hashes.items():
+            side[:-1] += encode_hash(digest, slot, self.world_size)
+        if self.membership.active is not None and (
+                step in self._grow_at or self.membership.store.check([protocol.GROW_KEY])):
+            side[-1] = 1.0  # a shrunk world: this rank asks to grow back after this step
         replay = False
         while True:
             try:
@@ -527,7 +717,9 @@ class CheckpointlessStrategy(ParallelStrategy):
                 replay = replay or self._step_collectives > 0
                 self._recover(failure)
         assert summed is not None
-        self.data_digest.update(decode_hashes(summed))
+        self.data_digest.update(decode_hashes(summed[:-1]))
+        # Every rank of the shrunk world sees the same sum: they all leave at the next boundary, or none does.
+        self._regroup = self.membership.active is not None and bool(summed[-1] > 0)
         self._pending_batch_hash = None
         self._in_step = False
         self.session.stamps.stamp(self.sharded.completed_steps)
@@ -606,10 +798,11 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._step_collectives += 1
         out = tensor.detach().clone().float()
         t0 = time.perf_counter()
-        self.membership.world().all_reduce(out)
+        world = self.membership.world()
+        world.all_reduce(out)
         self._waited(t0)
         if reduce_op in ("mean", "avg") or str(reduce_op).lower().endswith("avg"):
-            out /= self.world_size
+            out /= world.size
         return out.to(tensor.dtype)
 
     @override
@@ -634,7 +827,8 @@ class CheckpointlessStrategy(ParallelStrategy):
             self._step_collectives += self._in_step
             out = obj.detach().clone()
             t0 = time.perf_counter()
-            self.membership.world().broadcast(out, src)
+            world = self.membership.world()
+            world.broadcast(out, src if src in world.ranks else world.ranks[0])  # a shrunk world may lack src
             self._waited(t0)
             return out
         return obj
@@ -643,9 +837,10 @@ class CheckpointlessStrategy(ParallelStrategy):
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
         """Every rank's `tensor`, stacked (a collective; recovered inside a training step, like `reduce`)."""
         self._step_collectives += self._in_step
-        outs = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        world = self.membership.world()
+        outs = [torch.empty_like(tensor) for _ in range(world.size)]  # a shrunk world: its ranks' only
         t0 = time.perf_counter()
-        self.membership.world().all_gather(outs, tensor.detach().contiguous())
+        world.all_gather(outs, tensor.detach().contiguous())
         self._waited(t0)
         return torch.stack(outs)
 

@@ -69,6 +69,10 @@ class ShardedOptimizer:
                              f"{dp_size}; choose a divisor of {dp_size}")
         self.optimizer = optimizer
         self.dp_size = dp_size
+        # What the summed gradients are divided by: the ranks that take part in the all-reduce. A shrunk world
+        # (`topology.shrink`) sets its own size: each of its ranks then trains the micro-batches of the ranks it
+        # serves, with the loss scaled by their number, so the average is over the same samples.
+        self.average_over = dp_size
         self.shard_size = dp_size // num_instances
         self.shard_index = shard_index
         self._dp_group = dp_group
@@ -133,7 +137,7 @@ class ShardedOptimizer:
             p.grad = None
         self.phase = 1
         grads = self.flat_grad[:off]
-        grads.div_(self.dp_size)
+        grads.div_(self.average_over)
         if self.grad_clip > 0:
             norm = torch.linalg.vector_norm(grads)
             coef = self.grad_clip / (norm + 1e-6)

@@ -21,12 +21,14 @@ class InjectedFault(RuntimeError):
 __all__ = ["InjectedFault", "fire_faults", "injected_key"]
 
 
-def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: Callable[[], None]) -> None:
+def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: Callable[[], None],
+                grow: Callable[[int], None] | None = None) -> None:
     """Fire the faults of `plan` (`FaultSpec`s) that name `rank` at 1-based `step`: `kill` (SIGKILL), `hang`
     (SIGSTOP), `spin` (a Python loop that never ends), `stall` (sleeps forever: idle, it never reaches the step's
     collectives), `gil` (blocks in a native call that holds the GIL: libc `pause` through `ctypes.PyDLL`),
-    `corrupt` (calls `corrupt()`: the next state this rank sends is damaged) or `exception` (raises
-    `InjectedFault`)."""
+    `corrupt` (calls `corrupt()`: the next state this rank sends is damaged), `grow` (calls `grow(step)`: a shrunk
+    world grows back after this step, waiting for a spare if none is ready; not a fault, a test's way to fix the
+    step) or `exception` (raises `InjectedFault`)."""
     for i, spec in enumerate(plan):
         if spec.rank != rank or spec.step != step or store.check([injected_key(i)]):
             continue
@@ -48,5 +50,8 @@ def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: 
             ctypes.PyDLL(None).pause()  # a native call that keeps the GIL: no thread of this rank runs again
         elif spec.kind == "corrupt":
             corrupt()
+        elif spec.kind == "grow":
+            if grow is not None:
+                grow(step)
         else:
             raise InjectedFault(f"injected fault: exception on rank {rank} at step {step}")

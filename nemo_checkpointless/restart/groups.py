@@ -291,6 +291,8 @@ class Membership:
     generation: int = 0
     groups: dict[str, Group] = field(default_factory=dict)
     arrive_timeout_s: float | None = None  # see `Group.arrive_timeout_s`
+    # The ranks that train in this generation (None: all of them); a shrunk world's (`topology.shrink`).
+    active: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _REAPER.start()
@@ -304,12 +306,19 @@ class Membership:
         return self.groups[key]
 
     def world(self) -> Group:
-        return self.group("world", range(self.world_size))
+        """Every rank that trains in this generation (all ranks, or a shrunk world's)."""
+        return self.group("world", self.active if self.active is not None else range(self.world_size))
 
-    def advance(self, generation: int) -> None:
+    @property
+    def lead(self) -> int:
+        """The lowest rank that trains in this generation: rank 0 unless the job is shrunk without it."""
+        return self.active[0] if self.active else 0
+
+    def advance(self, generation: int, active: Sequence[int] | None = None) -> None:
         """Release every group of the current generation and move to `generation` (groups are rebuilt lazily,
-        by name)."""
+        by name), in which the ranks `active` train (None: all)."""
         assert generation > self.generation, (generation, self.generation)
         release_groups(list(self.groups.values()))
         self.groups = {}
         self.generation = generation
+        self.active = None if active is None else tuple(active)

@@ -13,6 +13,12 @@ Both then run the same collectives over the new generation's world group, in the
 A fault during these steps raises `PeerFailure` again; the engine moves to the next generation and starts over,
 at most `max_attempts` times in a row, then raises `RecoveryError` saying so.
 
+A generation may train on a shrunk world (`GenerationInfo.active`, see `topology.shrink`): a survivor left out of
+it raises `Parked` and waits for the job to grow back (`wait_to_rejoin`); a survivor whose world changed shape
+(shrunk or grown back) raises `Reshape` after the agreement, and enters `fit` again with its own state (nothing to
+receive: it is at the step boundary), trained from then on in the new shape. Growing back without a fault starts
+from `regroup`, at a step boundary the shrunk world agreed on.
+
 A p2p recovery requires every survivor to be at the same step boundary R (completed R steps, the gradient
 all-reduce of step R+1 not yet done on any rank) with the same data digest: a replica whose step disagrees is
 never used. Anything else (e.g. a crash in the middle of the parameter all-gather) goes to the checkpoint.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,10 +40,12 @@ import torch.distributed as dist
 from nemo_checkpointless.errors import RecoveryError
 from nemo_checkpointless.protocol import (
     GENERATION_KEY,
+    LAUNCHER_PID_ENV,
     STEP_TIMES_KEY,
     GenerationInfo,
     generation_info_key,
     record_key,
+    regroup_key,
 )
 from nemo_checkpointless.restart.groups import CollectiveTimeout, Membership, PeerFailure, alive_key, hang_key
 from nemo_checkpointless.state.checkpoint import CheckpointStore
@@ -65,10 +74,12 @@ class RecoveryStamps:
     def track(self, generation: int) -> None:
         self.pending.setdefault(generation, False)
 
+    lead: bool | None = None  # whether this rank appends the step times (None: rank 0 does)
+
     def stamp(self, completed_steps: int) -> None:
         """Call after every completed step (cheap when nothing is pending)."""
         now = time.time()
-        if self.rank == 0:
+        if self.lead if self.lead is not None else self.rank == 0:
             self.store.append(STEP_TIMES_KEY, f"{completed_steps} {now:.6f};")  # type: ignore[attr-defined]
         if not self.pending:
             return
@@ -109,6 +120,28 @@ class Decision:
     reason: str = ""
 
 
+class Reshape(Exception):  # a control-flow signal, not an error
+    """Raised out of the training step (or from `regroup`) on a survivor whose world changed shape: leave `fit`
+    and enter it again at `decision.step` with this rank's own state, in generation `generation`'s shape."""
+
+    def __init__(self, decision: Decision, generation: int, active: tuple[int, ...] | None) -> None:
+        shape = "the whole world" if active is None else f"ranks {list(active)}"
+        super().__init__(f"training goes on from step {decision.step} on {shape} (generation {generation})")
+        self.decision = decision
+        self.generation = generation
+        self.active = active
+
+
+class Parked(Exception):  # a control-flow signal, not an error
+    """Raised out of the training step on a survivor that does not train in the shrunk generation `generation`:
+    leave `fit` and wait (`RecoveryEngine.wait_to_rejoin`) until the job grows back."""
+
+    def __init__(self, generation: int, active: tuple[int, ...]) -> None:
+        super().__init__(f"parked: generation {generation} trains on ranks {list(active)} until the job grows back")
+        self.generation = generation
+        self.active = active
+
+
 class RestartFromCheckpoint(Exception):  # a control-flow signal, not an error
     """Raised out of the training step on a survivor: leave `fit`, reload step `step` from the checkpoint."""
 
@@ -118,17 +151,21 @@ class RestartFromCheckpoint(Exception):  # a control-flow signal, not an error
         self.generation = generation
 
 
-def decide(dims: ParallelDims, reports: Sequence[Sequence[int]], checkpoints: CheckpointStore | None) -> Decision:
-    """The recovery decision from every rank's report (identical on every rank: a pure function)."""
-    replaced = tuple(r for r, rep in enumerate(reports) if rep[0] == REPLACEMENT)
-    survivors = [r for r, rep in enumerate(reports) if rep[0] == SURVIVOR]
+def decide(dims: ParallelDims, reports: Sequence[Sequence[int]], checkpoints: CheckpointStore | None,
+           ranks: Sequence[int] | None = None) -> Decision:
+    """The recovery decision from every rank's report (identical on every rank: a pure function). `reports[i]`
+    is the report of global rank `ranks[i]` (default: rank i)."""
+    ranks = list(range(len(reports))) if ranks is None else list(ranks)
+    by_rank = dict(zip(ranks, reports, strict=True))
+    replaced = tuple(r for r, rep in by_rank.items() if rep[0] == REPLACEMENT)
+    survivors = [r for r, rep in by_rank.items() if rep[0] == SURVIVOR]
     if not survivors:
         return _fallback(replaced, 0, checkpoints, "no rank survived")
-    step = max(reports[r][1] for r in survivors)
-    digest = {(reports[r][3], reports[r][4]) for r in survivors if reports[r][1] == step}
-    bad = [r for r in survivors if reports[r][1] != step or reports[r][2] != 0 or len(digest) != 1]
+    step = max(by_rank[r][1] for r in survivors)
+    digest = {(by_rank[r][3], by_rank[r][4]) for r in survivors if by_rank[r][1] == step}
+    bad = [r for r in survivors if by_rank[r][1] != step or by_rank[r][2] != 0 or len(digest) != 1]
     if bad:
-        return _fallback(replaced, min(reports[r][1] for r in survivors), checkpoints,
+        return _fallback(replaced, min(by_rank[r][1] for r in survivors), checkpoints,
                          f"survivors {bad} are not at the common step boundary {step} (a replica whose step "
                          "disagrees is never used)")
     plan = plan_recovery(dims, replaced)
@@ -154,6 +191,9 @@ class RecoveryEngine:
         self.verify_checksum = verify_checksum
         self.checkpoint_slot = rank_info(dims, membership.rank).checkpoint_slot
         self.bytes_received = 0
+        # How much longer than its collective timeout the launcher may take to publish a generation (a fault that
+        # waits for a starting spare before the job shrinks: replication.replacement_timeout_s).
+        self.extra_patience_s = 0.0
         # Fault injection (fault.plan kind=corrupt): damage the next state sent, after its checksum is taken.
         self.corrupt_next_send = False
 
@@ -164,7 +204,7 @@ class RecoveryEngine:
     def _next_generation(self, after: int) -> int:
         """Block until the launcher publishes a generation newer than `after`; return the newest."""
         # A hang costs the launcher up to one more collective timeout to find and kill the hung rank.
-        patience = 2 * self.membership.timeout_s + 10
+        patience = 2 * self.membership.timeout_s + 10 + self.extra_patience_s
         deadline = time.monotonic() + patience
         while True:
             if self.store.check([GENERATION_KEY]):
@@ -192,11 +232,43 @@ class RecoveryEngine:
         `RestartFromCheckpoint`: a replacement loads the checkpoint itself when the decision says so."""
         return self._run(participant, REPLACEMENT, generation - 1, {})
 
+    def regroup(self, participant: Participant) -> Decision:
+        """Survivor side of growing back without a fault: the shrunk world agreed (in its last gradient
+        all-reduce) to grow after the step it completed, and every rank left `fit` at that boundary. Raises
+        `Reshape` (the world is whole again) once the replacements have their state."""
+        generation = self.membership.generation
+        self.store.set(regroup_key(generation), json.dumps({"rank": self.membership.rank, "t": time.time()}))
+        return self._run(participant, SURVIVOR, generation, {"detect_t": time.time()})
+
+    def wait_to_rejoin(self) -> int:
+        """A parked rank's wait (no time limit: a job may stay shrunk for hours) for a generation in which it trains
+        again; returns it. Exits when the launcher is gone."""
+        rank, after = self.membership.rank, self.membership.generation
+        launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
+        while True:
+            try:
+                current = int(self.store.get(GENERATION_KEY))
+                for g in range(after + 1, current + 1):
+                    info = GenerationInfo.from_json(self.store.get(generation_info_key(g)))
+                    if info.active is None or rank in info.active:
+                        return g
+                after = current
+            except RuntimeError as e:
+                raise SystemExit(f"rank {rank} (parked): the launcher's store is gone ({e}); exiting") from None
+            if launcher and os.getppid() != launcher:
+                raise SystemExit(f"rank {rank} (parked): the launcher is gone; exiting")
+            time.sleep(0.05)
+
     def _run(self, participant: Participant, role: int, after: int, record: dict[str, Any]) -> Decision:
         attempts = 0
         while True:
             generation = self._next_generation(after)
-            self.membership.advance(generation)
+            info = GenerationInfo.from_json(self.store.get(generation_info_key(generation)))
+            active = None if info.active is None else tuple(info.active)
+            before = self.membership.active
+            self.membership.advance(generation, active)
+            if active is not None and self.membership.rank not in active:
+                raise Parked(generation, active)
             try:
                 decision = self._agree_and_transfer(participant, role)
             except PeerFailure as e:
@@ -215,6 +287,8 @@ class RecoveryEngine:
             self.store.set(record_key(generation, self.membership.rank), json.dumps(record))
             if role == SURVIVOR and decision.path == "checkpoint":
                 raise RestartFromCheckpoint(decision, generation)
+            if role == SURVIVOR and active != before:
+                raise Reshape(decision, generation, active)
             return decision
 
     def _agree_and_transfer(self, participant: Participant, role: int) -> Decision:
@@ -224,7 +298,7 @@ class RecoveryEngine:
         mine = torch.tensor([role, done, phase, done, int(digest[:15], 16)], dtype=torch.int64)
         reports = [torch.empty(_REPORT, dtype=torch.int64) for _ in range(world.size)]
         world.all_gather(reports, mine)
-        decision = decide(self.dims, [r.tolist() for r in reports], self.checkpoints)
+        decision = decide(self.dims, [r.tolist() for r in reports], self.checkpoints, world.ranks)
         ok = True
         self.bytes_received = 0
         if decision.path == "p2p":

@@ -101,6 +101,29 @@ class Progress(pl.Callback):
         os.replace(path + ".tmp", path)
 
 
+class EvalLoss(pl.Callback):
+    """After every optimizer step: the model's loss on a fixed held-out set (eval mode: no dropout, no RNG drawn),
+    appended as "step loss" to RUN_DIR/eval_loss_rank<r>.txt: the loss curve the shrink tests compare."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        x, y = make_data(n=576)
+        self.x, self.y = x[512:], y[512:]
+        self.last = -1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        if trainer.global_step == self.last:
+            return  # a micro-batch that did not step
+        self.last = trainer.global_step
+        training = pl_module.training
+        pl_module.eval()
+        with torch.no_grad():
+            loss = nn.functional.mse_loss(pl_module.net(self.x).squeeze(1), self.y).item()  # type: ignore[operator]
+        pl_module.train(training)
+        with open(os.path.join(self.run_dir, f"eval_loss_rank{trainer.global_rank}.txt"), "a") as f:
+            f.write(f"{trainer.global_step} {loss!r}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-steps", type=int, default=40)
@@ -116,6 +139,7 @@ def main() -> None:
     parser.add_argument("--slow-s", type=float, default=0.0)
     parser.add_argument("--val-every", type=int, default=0, help="validate every N batches (0: no validation)")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--eval-loss", action="store_true", help="write the held-out loss after every step")
     args = parser.parse_args()
     run_dir = os.environ.get("NCL_RUN_DIR", ".")
 
@@ -124,7 +148,8 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=int(args.devices) if args.devices.isdigit() else args.devices,
         num_nodes=args.num_nodes,
-        strategy=CheckpointlessStrategy(), callbacks=[CheckpointlessCallback(), Progress(run_dir)],
+        strategy=CheckpointlessStrategy(),
+        callbacks=[CheckpointlessCallback(), Progress(run_dir), *([EvalLoss(run_dir)] if args.eval_loss else [])],
         max_steps=args.max_steps, max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
         gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, precision=args.precision,
