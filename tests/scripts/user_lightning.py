@@ -56,12 +56,13 @@ class RegressionData(pl.LightningDataModule):
 
 class Regressor(pl.LightningModule):
     def __init__(self, features: int = 16, hidden: int = 64, step_sleep: float = 0.0, slow_rank: int = -1,
-                 slow_s: float = 0.0) -> None:
+                 slow_s: float = 0.0, slow_step: int = 0) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, hidden),
                                  nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, 1))
         self.step_sleep = step_sleep
-        self.slow_rank, self.slow_s = slow_rank, slow_s  # a straggler: this rank's steps take slow_s longer
+        # A straggler: this rank's steps take slow_s longer (only step `slow_step`, 1-based, when given).
+        self.slow_rank, self.slow_s, self.slow_step = slow_rank, slow_s, slow_step
         self.val_batches = 0
 
     def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
@@ -71,7 +72,7 @@ class Regressor(pl.LightningModule):
             x, y = batch  # type: ignore[misc]
         if self.step_sleep:
             time.sleep(self.step_sleep)
-        if self.global_rank == self.slow_rank:
+        if self.global_rank == self.slow_rank and self.slow_step in (0, self.global_step + 1):
             time.sleep(self.slow_s)
         loss = nn.functional.mse_loss(self.net(x).squeeze(1), y)
         self.log("train_loss", loss, sync_dist=True, on_step=True)
@@ -137,6 +138,7 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--slow-rank", type=int, default=-1, help="a straggler: this rank sleeps --slow-s a step")
     parser.add_argument("--slow-s", type=float, default=0.0)
+    parser.add_argument("--slow-step", type=int, default=0, help="with --slow-rank: only this step (1-based) is slow")
     parser.add_argument("--val-every", type=int, default=0, help="validate every N batches (0: no validation)")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--eval-loss", action="store_true", help="write the held-out loss after every step")
@@ -144,7 +146,8 @@ def main() -> None:
     run_dir = os.environ.get("NCL_RUN_DIR", ".")
 
     pl.seed_everything(1234, verbose=False)
-    model = Regressor(step_sleep=args.step_sleep, slow_rank=args.slow_rank, slow_s=args.slow_s)
+    model = Regressor(step_sleep=args.step_sleep, slow_rank=args.slow_rank, slow_s=args.slow_s,
+                      slow_step=args.slow_step)
     trainer = pl.Trainer(
         accelerator="cpu", devices=int(args.devices) if args.devices.isdigit() else args.devices,
         num_nodes=args.num_nodes,
