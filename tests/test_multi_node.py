@@ -136,13 +136,15 @@ def test_losing_the_node_that_started_the_job_with_the_store_on_its_own(fabric: 
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)
-def test_three_rank_kills_refill_the_spares_across_nodes(fabric: Fabric, reference: dict[str, Any],
+def test_rank_kills_and_a_hang_refill_the_spares_across_nodes(fabric: Fabric, reference: dict[str, Any],
                                                          tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     endpoint = f"{fabric.addr['store']}:{PORT}"
     fabric.start("store", [sys.executable, "-m", "nemo_checkpointless.cli.store", "--host", fabric.addr["store"],
                            "--port", str(PORT)], tmp_path / "store.log")
-    faults = ("--fault", "kill:1:6", "--fault", "kill:2:14", "--fault", "kill:3:22")
+    # Rank 2 (node 1) is SIGSTOPped, not killed: the leader on node 0 finds it from node 1's reports of its
+    # ranks' progress beacons and /proc states, within the watchdog's deadline, not two collective timeouts.
+    faults = ("--fault", "kill:1:6", "--fault", "hang:2:14", "--fault", "kill:3:22")
     logs = {n: tmp_path / f"node{n}.log" for n in (0, 1)}
     agents = {n: fabric.start(f"node{n}", _agent(run_dir, n, endpoint, "external", *faults), logs[n])
               for n in (0, 1)}
@@ -152,6 +154,11 @@ def test_three_rank_kills_refill_the_spares_across_nodes(fabric: Fabric, referen
     assert [r["failed_ranks"] for r in recs] == [[1], [2], [3]], recs
     assert all(r["path"] == "p2p" and r["steps_lost"] == 0 for r in recs), recs
     assert all(r["replacement"][str(r["failed_ranks"][0])] != "cold start" for r in recs), recs
+    hang = recs[1]
+    assert hang["fault_kind"] == "hang" and "stopped (state T)" in hang["hang"]["2"], hang
+    assert hang["detect_s"] < 8, hang  # the collective timeout is 8 s
+    # The straggler report read every rank's beacon too, those of node 1 through its agent.
+    assert sorted(summary["rank_busy_s"]) == ["0", "1", "2", "3"], summary["rank_busy_s"]
 
 
 # ------------------------------------------------------------------------------------------------ bad input

@@ -300,3 +300,17 @@ def test_a_slow_rank_is_reported_as_a_straggler_and_not_replaced(tmp_path: Path)
     busy = summary["rank_busy_s"]
     assert busy["2"] > 0.06 and all(busy[r] < busy["2"] / 2 for r in "013"), busy
     assert "rank 2 is a straggler" in summary["log"], summary["log"][-3000:]
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_a_slow_step_within_the_adapted_deadline_is_not_a_hang(tmp_path: Path) -> None:
+    """Steps of about 0.8 s: the watchdog's default deadline follows them (10 x p95 = 8 s, above its 5 s floor).
+    Rank 1's step 6 then takes 6 s longer (asleep, idle, while the others wait for it in the collective): longer
+    than the floor, shorter than the adapted deadline, so it is not declared hung."""
+    summary = _run(tmp_path / "slow-step", script_args=("--max-steps", "10", "--step-sleep", "0.8", "--slow-rank",
+                                                         "1", "--slow-s", "6", "--slow-step", "6"))
+    assert summary["recoveries"] == [] and summary["final_step"] == 10, summary["recoveries"]
+    assert all(len(pids) == 1 for pids in summary["pids"].values()), summary["pids"]
+    assert "is hung" not in summary["log"], summary["log"][-3000:]
+    # A 5 s floor would have declared it hung; the deadline followed the steps (and, after it, that slow step).
+    assert summary["hang_deadline_s"] > 6, summary["hang_deadline_s"]

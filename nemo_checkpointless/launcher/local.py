@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -28,7 +29,7 @@ from nemo_checkpointless.config import Config
 from nemo_checkpointless.data.cache import new_job_id, remove_job_cache
 from nemo_checkpointless.launcher.spares import ForkedSpare, SpareFactory, become_child_subreaper
 from nemo_checkpointless.launcher.stragglers import StragglerWatch
-from nemo_checkpointless.launcher.watchdog import HangWatch
+from nemo_checkpointless.launcher.watchdog import HangWatch, Reader
 from nemo_checkpointless.protocol import (
     ENV_PREFIX,
     FAULT_KEY,
@@ -51,6 +52,7 @@ from nemo_checkpointless.protocol import (
     training_key,
 )
 from nemo_checkpointless.restart.cost import RATE_WINDOW, StepTimes, fault_costs
+from nemo_checkpointless.restart.progress import Beacon
 from nemo_checkpointless.restart.template import SPARE_REFILL_ENV
 from nemo_checkpointless.restart.worker_env import WorkerEnv
 from nemo_checkpointless.topology.shrink import shrink_layout
@@ -505,8 +507,10 @@ class _Job:
         poll handles as the rank's death (a fault of kind `hang`, replaced like a crash)."""
         if self.progress is None:
             lc = self.cfg.launcher
-            self.progress = HangWatch(self.run_dir, lc.hang_deadline_s)
-            self.stragglers = StragglerWatch(self.run_dir, lc.straggler_factor, lc.straggler_window)
+            hang_reader, beacon_reader = self.progress_readers()
+            self.progress = HangWatch(self.run_dir, lc.hang_deadline_s, reader=hang_reader)
+            self.stragglers = StragglerWatch(self.run_dir, lc.straggler_factor, lc.straggler_window,
+                                             read=beacon_reader)
         assert self.stragglers is not None
         if self.progress_generation != self.generation:
             self.progress.reset()
@@ -522,6 +526,10 @@ class _Job:
             self.hung.add(rank)
             self.hang_reasons[rank] = why
             self.ranks[rank].popen.kill()
+
+    def progress_readers(self) -> tuple[Reader | None, Callable[[int], Beacon | None] | None]:
+        """How the watchdog and the straggler report read a rank's beacon and /proc (None: this machine's files)."""
+        return None, None
 
     def recovers_in_process(self) -> bool:
         """Whether the job's processes recover in place (they run `CheckpointlessStrategy`). A user's script whose
@@ -703,6 +711,8 @@ class _Job:
             "reshapes": [{"kind": r["reshape"], "step": r["resumed_from_step"], "active_ranks": r["active_ranks"],
                           "failed_ranks": r["failed_ranks"]} for r in recoveries if r.get("reshape")],
             **(self.stragglers.summary() if self.stragglers else {"stragglers": [], "rank_busy_s": {}}),
+            # The progress watchdog's deadline at the end (the fixed one, or what the step times made of it).
+            "hang_deadline_s": round(self.progress.deadline(), 3) if self.progress and self.progress.enabled else None,
             "pids": {str(r): [p.popen.pid for p in procs] for r, procs in sorted(self.pids.items())},
         }
         tmp = run_dir / ".summary.json.tmp"

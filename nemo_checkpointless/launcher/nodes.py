@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,11 +53,15 @@ from nemo_checkpointless.launcher.local import (
     start_process,
     stop_processes,
 )
+from nemo_checkpointless.launcher.procs import proc_state
+from nemo_checkpointless.launcher.watchdog import Reader
 from nemo_checkpointless.protocol import GENERATION_KEY, JOB_ID_KEY, SPARE_ID_ENV
+from nemo_checkpointless.restart.progress import Beacon, parse_beacon, read_beacon_bytes
 from nemo_checkpointless.restart.template import SPARE_REFILL_ENV
 from nemo_checkpointless.restart.worker_env import WorkerEnv
 
 POLL_S = 0.01
+PROGRESS_S = 0.1  # how often an agent reports its ranks' progress beacons to the leader
 STATE_KEY = "ctl/state"  # the leader's decisions so far (`ClusterJob.snapshot`)
 SPEC_KEY = "ctl/spec"  # what the first agent was started with; every other must match it
 JOINED_KEY = "ctl/joined"  # agents that joined (a counter)
@@ -215,6 +220,8 @@ class ClusterJob(_Job):
     spec: NodeSpec | None = None
     live: Liveness | None = None
     reports: dict[int, dict[str, list[Any]]] = field(default_factory=dict)  # node -> uid -> [pid, code]
+    # rank -> [beacon bytes (hex), state letter, CPU seconds, pid]: each node's agent reports its ranks' progress
+    beacons: dict[int, list[Any]] = field(default_factory=dict)
     homes: dict[str, int] = field(default_factory=dict)  # uid -> node
     logs: dict[str, str] = field(default_factory=dict)  # uid -> log file name ("" : the agent's terminal)
     next_uid: int = 0
@@ -242,6 +249,9 @@ class ClusterJob(_Job):
             key = node_key(node, "procs")
             if self.store.check([key]):
                 self.reports[node] = json.loads(self.store.get(key))
+            key = node_key(node, "progress")
+            if self.store.check([key]):
+                self.beacons.update({int(r): v for r, v in json.loads(self.store.get(key)).items()})
 
     def node_down(self, node: int) -> None:
         assert self.live is not None
@@ -335,9 +345,23 @@ class ClusterJob(_Job):
                               "script, or restart the job")
         super().replace(failed, codes)
 
-    def watch_progress(self, codes: dict[int, int | None]) -> None:
-        """Not across nodes yet: the beacons are files on each node. The check-in round (`watch_hangs`) finds a
-        hung rank after a collective timeout."""
+    def progress_readers(self) -> tuple[Reader, Callable[[int], Beacon | None]]:
+        """The beacons and /proc states each node's agent reports (`NodeAgent.report_progress`), for the watchdog
+        and the straggler report that run here, on the leader."""
+
+        def entry(rank: int) -> tuple[Beacon | None, tuple[str, float] | None, int]:
+            raw = self.beacons.get(rank)
+            if raw is None:
+                return None, None, -1
+            beacon = parse_beacon(bytes.fromhex(raw[0])) if raw[0] else None
+            state = (str(raw[1]), float(raw[2])) if raw[1] else None
+            return beacon, state, int(raw[3])
+
+        def hang_read(rank: int, pid: int) -> tuple[Beacon | None, tuple[str, float] | None]:
+            beacon, state, of = entry(rank)
+            return beacon, state if of == pid else None
+
+        return hang_read, lambda rank: entry(rank)[0]
 
     def tick(self) -> bool:
         self.refresh()
@@ -418,6 +442,7 @@ class NodeAgent:
         self.codes: dict[str, list[Any]] = {}  # uid -> [pid, code]
         self.done_cmds = 0
         self.reported = ""
+        self.next_progress = 0.0
         self.job: ClusterJob | None = None
         self.hosted: dist.TCPStore | None = None
         self.stop = threading.Event()
@@ -562,6 +587,27 @@ class NodeAgent:
         if text != self.reported:
             self.store.set(node_key(me, "procs"), text)
             self.reported = text
+        self.report_progress()
+
+    def report_progress(self) -> None:
+        """Every PROGRESS_S: this node's ranks' progress beacons and /proc states, for the leader's watchdog and
+        straggler report (`ClusterJob.progress_readers`). Only what changed is worth a write; one JSON value."""
+        now = time.monotonic()
+        if now < self.next_progress:
+            return
+        self.next_progress = now + PROGRESS_S
+        pids = {code[0] for code in self.codes.values() if code[1] is None}
+        out: dict[str, list[Any]] = {}
+        for path in (self.run_dir / "progress").glob("rank*.bin"):
+            raw = read_beacon_bytes(path)
+            beacon = parse_beacon(raw) if raw is not None else None
+            if beacon is None or beacon.pid not in pids:
+                continue
+            state = proc_state(beacon.pid)
+            out[path.stem[4:]] = [raw.hex() if raw else "", state[0] if state else "", state[1] if state else 0.0,
+                                  beacon.pid]
+        if out:
+            self.store.set(node_key(self.spec.node_rank, "progress"), json.dumps(out))
 
     def execute(self, command: dict[str, Any]) -> None:
         uid = command["uid"]

@@ -16,11 +16,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_checkpointless.restart.progress import beacon_path, read_beacon
+from nemo_checkpointless.restart.progress import Beacon, beacon_path, read_beacon
 
 
 @dataclass
@@ -43,6 +44,8 @@ class StragglerWatch:
     _open: dict[int, Episode] = field(default_factory=dict)
     _last: dict[int, tuple[int, int]] = field(default_factory=dict)  # rank -> (pid, busy_step) last taken
     _next: float = 0.0
+    # rank -> its beacon (None: the file in run_dir); across nodes, what the agents report (`launcher.nodes`)
+    read: Callable[[int], Beacon | None] | None = None
 
     def reset(self) -> None:
         """A new generation: a replacement's samples start afresh (the episodes stay)."""
@@ -56,7 +59,7 @@ class StragglerWatch:
             return []
         self._next = now + self.poll_s
         for rank, pid in live.items():
-            beacon = read_beacon(beacon_path(self.run_dir, rank))
+            beacon = self.read(rank) if self.read is not None else read_beacon(beacon_path(self.run_dir, rank))
             if beacon is None or beacon.pid != pid or not beacon.busy_step:
                 continue
             if self._last.get(rank) == (pid, beacon.busy_step):

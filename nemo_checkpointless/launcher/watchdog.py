@@ -31,11 +31,24 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from nemo_checkpointless.launcher.procs import proc_state
 from nemo_checkpointless.restart.progress import CHECKPOINT, Beacon, beacon_path, read_beacon
+
+# What the watchdog reads of one rank (rank, pid) -> (its beacon, its (state letter, CPU seconds)); either None
+# when unreadable. On one machine: its beacon file and /proc (`local_reader`); across nodes, what each node's agent
+# reports to the leader (`launcher.nodes`).
+Reader = Callable[[int, int], tuple[Beacon | None, tuple[str, float] | None]]
+
+
+def local_reader(run_dir: str | os.PathLike[str]) -> Reader:
+    def read(rank: int, pid: int) -> tuple[Beacon | None, tuple[str, float] | None]:
+        return read_beacon(beacon_path(run_dir, rank)), proc_state(pid)
+
+    return read
 
 
 @dataclass
@@ -53,8 +66,10 @@ class HangWatch:
     """Finds hung ranks (`check`); the launcher kills them, which makes the hang an ordinary failure."""
 
     def __init__(self, run_dir: str | os.PathLike[str], deadline_s: float = 0.0, floor_s: float = 5.0,
-                 factor: float = 10.0, busy_fraction: float = 0.8, poll_s: float = 0.1) -> None:
+                 factor: float = 10.0, busy_fraction: float = 0.8, poll_s: float = 0.1,
+                 reader: Reader | None = None) -> None:
         self.run_dir = Path(run_dir)
+        self.read = reader or local_reader(run_dir)
         self.fixed, self.floor_s, self.factor = deadline_s, floor_s, factor
         self.busy_fraction, self.poll_s = busy_fraction, poll_s
         self.step_times: deque[float] = deque(maxlen=256)
@@ -91,8 +106,7 @@ class HangWatch:
         self._rate.clear()
 
     def _observe(self, rank: int, pid: int, now: float) -> _Seen | None:
-        beacon = read_beacon(beacon_path(self.run_dir, rank))
-        state = proc_state(pid)
+        beacon, state = self.read(rank, pid)
         cpu = state[1] if state else 0.0
         seen = self._seen.get(rank)
         if beacon is not None and beacon.pid != pid:

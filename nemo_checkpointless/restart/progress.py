@@ -112,8 +112,16 @@ class ProgressBeacon:
             self._map = None
 
 
-def read_beacon(path: str | os.PathLike[str]) -> Beacon | None:
-    """The last whole record of a beacon file; None if there is none (yet) or it is unreadable."""
+def parse_beacon(raw: bytes) -> Beacon | None:
+    """One record's bytes (what `read_beacon` read; an agent of several nodes sends them to the leader)."""
+    if len(raw) != SIZE:
+        return None
+    seq, step, phase, pid, t, busy_step, busy_s = _FORMAT.unpack(raw)
+    return Beacon(seq, step, phase, pid, t, busy_step, busy_s) if seq else None
+
+
+def read_beacon_bytes(path: str | os.PathLike[str]) -> bytes | None:
+    """The last whole record of a beacon file, as bytes; None if there is none (yet) or it is unreadable."""
     try:
         with open(path, "rb") as f:
             for _ in range(3):
@@ -122,8 +130,13 @@ def read_beacon(path: str | os.PathLike[str]) -> Beacon | None:
                 second = f.read(SIZE)
                 f.seek(0)
                 if len(first) == SIZE and first == second:
-                    seq, step, phase, pid, t, busy_step, busy_s = _FORMAT.unpack(second)
-                    return Beacon(seq, step, phase, pid, t, busy_step, busy_s) if seq else None
+                    return second
     except OSError:
         return None
     return None
+
+
+def read_beacon(path: str | os.PathLike[str]) -> Beacon | None:
+    """The last whole record of a beacon file; None if there is none (yet) or it is unreadable."""
+    raw = read_beacon_bytes(path)
+    return parse_beacon(raw) if raw is not None else None
