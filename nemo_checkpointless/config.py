@@ -12,7 +12,8 @@ from typing import Any
 
 from nemo_checkpointless.errors import ConfigError
 
-FAULT_KINDS = ("kill", "exception", "corrupt", "hang", "spin", "stall", "gil", "grow")
+FAULT_KINDS = ("kill", "exception", "corrupt", "hang", "spin", "stall", "gil", "grow", "bitflip", "segfault",
+               "abort", "sigterm", "oom", "exit0", "slow")
 ENGINES = ("lightning", "nemo")
 PRECISIONS = ("32-true", "bf16-mixed")
 
@@ -233,12 +234,31 @@ class FaultSpec:
     """One injected fault on `rank` when it starts step `step`: `kill` (SIGKILL), `exception` (raised in the step),
     `hang` (SIGSTOP: found by the collective timeout and the launcher's watchdog), `corrupt` (from then on, the
     next state this rank sends to a replacement has a flipped byte after its checksum was taken: the receiver must
-    detect it and the job fall back to the checkpoint); `spin`, `stall`, `gil` (hangs of other kinds); or `grow`
-    (not a fault: a shrunk world grows back after that step, `replication.shrink`)."""
+    detect it and the job fall back to the checkpoint); `spin`, `stall`, `gil` (hangs of other kinds); `bitflip`
+    (one bit of its optimizer shard flipped in memory); `segfault` (a segmentation fault in native code), `abort`
+    (SIGABRT), `sigterm` (SIGTERM to itself), `oom` (runs out of memory under an address-space limit it sets),
+    `exit0` (leaves with exit status 0 before its training ended: a fault, replaced like a crash); `slow` (from that
+    step on, every step of the rank takes 0.2 s longer: a straggler, reported, never replaced); or `grow` (not a
+    fault: a shrunk world grows back after that step, `replication.shrink`)."""
 
     kind: str = "kill"
     rank: int = 0
     step: int = 1
+
+
+@dataclass
+class IntegrityConfig:
+    """The cross-replica check (`restart.integrity`): every `every_n_steps` steps (0: never) and after every
+    recovery, every copy of every optimizer shard and every rank's parameters are compared by digest; a copy in a
+    minority is repaired p2p from the majority, copies with no majority (N = 2) roll the job back to the newest
+    checkpoint at or before the last verified step. A rank found bad `fence_after` times is fenced and replaced."""
+
+    every_n_steps: int = 50
+    fence_after: int = 2
+
+    def __post_init__(self) -> None:
+        _non_negative("integrity.every_n_steps", self.every_n_steps)
+        _positive("integrity.fence_after", self.fence_after)
 
 
 @dataclass
@@ -339,6 +359,7 @@ class Config:
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     # A user's own training script to launch with the recipe's launch settings instead of the package's worker
     # (`checkpointless-train recipe=NAME script=train.py 'script_args=[--max-steps,8]'`): it gets the ranks, spares,

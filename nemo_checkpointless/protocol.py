@@ -37,6 +37,9 @@ NUM_INSTANCES_ENV = f"{ENV_PREFIX}NUM_INSTANCES"
 # replication.shrink: with no spare, the job may go on with its whole optimizer instances (the strategy checks at
 # start-up that it can serve a dropped rank's samples); and how long a fault then waits for a spare that is starting.
 SHRINK_ENV = f"{ENV_PREFIX}SHRINK"
+# integrity.every_n_steps, integrity.fence_after: the cross-replica check (`restart.integrity`)
+INTEGRITY_EVERY_ENV = f"{ENV_PREFIX}INTEGRITY_EVERY_N_STEPS"
+INTEGRITY_FENCE_ENV = f"{ENV_PREFIX}INTEGRITY_FENCE_AFTER"
 REPLACEMENT_TIMEOUT_ENV = f"{ENV_PREFIX}REPLACEMENT_TIMEOUT_S"
 CACHE_ROOT_ENV = f"{ENV_PREFIX}CACHE_ROOT"  # where the job's shared-memory batch cache lives (default /dev/shm)
 FAULT_PLAN_ENV = f"{ENV_PREFIX}FAULT_PLAN"  # JSON list of {kind, rank, step}: test and benchmark faults

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     ours.add_argument("--on-failure", "--on_failure", choices=("recover", "restart_all"), default="recover",
                       help="restart_all: restart every rank on a failure (the baseline a job restart gives)")
     ours.add_argument("--fault", action="append", default=[], metavar="KIND:RANK:STEP",
-                      help="inject a fault (tests, benchmarks): kill, hang, spin, stall, gil, exception or corrupt")
+                      help="inject a fault (tests, benchmarks): kill, segfault, abort, sigterm, oom, exit0, "
+                           "exception, hang, spin, stall, gil, slow, corrupt, bitflip or grow")
     ours.add_argument("--straggler-factor", "--straggler_factor", type=float, default=1.5, metavar="F",
                       help="report a rank whose own work per step takes F x the other ranks' (never replaced; "
                            "0: off)")
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     ours.add_argument("--replacement-timeout", "--replacement_timeout", type=float, default=0.0, metavar="S",
                       help="with --shrink: how long a fault waits for a spare that is still starting "
                            "(0: shrink at once)")
+    ours.add_argument("--integrity-every", "--integrity_every", type=int, default=50, metavar="N",
+                      help="compare the optimizer shards' replicas and every rank's parameters every N steps and "
+                           "after every recovery (0: never)")
     parser.set_defaults(max_restarts=3)
     return parser
 
@@ -241,6 +245,9 @@ def _config(args: argparse.Namespace) -> Any:
     if args.shrink and nnodes > 1:
         raise ConfigError("--shrink", True, f"runs on one node in this release (--nnodes {nnodes})",
                           "drop --shrink, or keep spare nodes (--spare-nodes)")
+    if args.integrity_every < 0:
+        raise ConfigError("--integrity-every", args.integrity_every, "must be >= 0",
+                          "use 0 (no check) or a number of steps, e.g. 50")
     plan = _fault_plan(args.fault)
     cfg = Config()
     script_name = Path(args.training_script).stem or "job"
@@ -254,6 +261,7 @@ def _config(args: argparse.Namespace) -> Any:
                             spare_nodes=args.spare_nodes, shrink=args.shrink,
                             replacement_timeout_s=args.replacement_timeout),
         checkpoint=replace(cfg.checkpoint, every_n_steps=args.checkpoint_every),
+        integrity=replace(cfg.integrity, every_n_steps=args.integrity_every),
         fault=replace(cfg.fault, plan=[FaultSpec(**f) for f in plan]),
         launcher=replace(cfg.launcher, host=args.master_addr, max_restarts=args.max_restarts,
                          collective_timeout_s=args.collective_timeout, on_failure=args.on_failure,

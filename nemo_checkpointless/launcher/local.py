@@ -219,6 +219,8 @@ class _Job:
     def _env(self, rank: int) -> dict[str, str]:
         world = self.cfg.trainer.world_size
         env = WorkerEnv(rank, world, rank, self.cfg.launcher.host, self.port, str(self.run_dir)).to_environ()
+        env[protocol.INTEGRITY_EVERY_ENV] = str(self.cfg.integrity.every_n_steps)
+        env[protocol.INTEGRITY_FENCE_ENV] = str(self.cfg.integrity.fence_after)
         if self.cfg.replication.shrink:
             env[protocol.SHRINK_ENV] = "1"
             env[protocol.REPLACEMENT_TIMEOUT_ENV] = str(self.cfg.replication.replacement_timeout_s)
@@ -491,7 +493,8 @@ class _Job:
 
     def exit_codes(self) -> dict[int, int | None]:
         """Each rank's exit code (None: running). A process that died after its training ended and its results were
-        written (`finished_key`; e.g. killed while the interpreter exits) counts as finished: 0."""
+        written (`finished_key`; e.g. killed while the interpreter exits) counts as finished: 0. One that exited 0
+        before that, in a job that recovers in process, keeps its 0 but is a failure (`left_early`)."""
         codes = {r: p.popen.poll() for r, p in self.ranks.items()}
         for r, c in codes.items():
             if c not in (None, 0) and self.store.check([finished_key(self.ranks[r].popen.pid)]):
@@ -501,6 +504,13 @@ class _Job:
                     self.finished_late.add(r)
                 codes[r] = 0
         return codes
+
+    def left_early(self, rank: int, code: int | None) -> bool:
+        """A rank whose process exited 0 before its training ended (it never set `finished_key`; e.g. a library's
+        `sys.exit(0)` in the middle of a step), in a job whose processes recover in process: a fault, replaced like
+        a crash. A tier-1 script (the launcher alone) does not say when it finished: its exit 0 is a success."""
+        return (code == 0 and not self.store.check([finished_key(self.ranks[rank].popen.pid)])
+                and self.recovers_in_process())
 
     def watch_progress(self, codes: dict[int, int | None]) -> None:
         """The progress watchdog (`launcher.watchdog.HangWatch`): a rank it finds hung is killed, which the next
@@ -646,10 +656,10 @@ class _Job:
             self.ranks.pop(rank)
             del codes[rank]
             self.refill += 1
-        failed = [r for r, c in codes.items() if c not in (None, 0)]
-        if failed and any(c == 0 for c in codes.values()):
+        failed = [r for r, c in codes.items() if c not in (None, 0) or self.left_early(r, c)]
+        done = [r for r, c in codes.items() if c == 0 and r not in failed]
+        if failed and done:
             # Peers that finished cannot recover it (the job ends as a whole or not at all): stop, not wait.
-            done = [r for r, c in codes.items() if c == 0]
             raise LaunchError(f"rank(s) {failed} failed after rank(s) {done} finished training; there is no "
                               f"peer left to recover them. {self.where(failed[0])}",
                               exit_code=max(1, abs(codes[failed[0]] or 1)))
@@ -657,7 +667,10 @@ class _Job:
             self.store.set(FAULT_KEY, str(self.generation))  # unblock the survivors' collectives at once
             time.sleep(GRACE_S)
             codes = self.exit_codes()
-            failed = [r for r, c in codes.items() if c not in (None, 0)]
+            failed = [r for r, c in codes.items() if c not in (None, 0) or self.left_early(r, c)]
+            for r in [r for r in failed if codes[r] == 0]:
+                print(f"checkpointless: rank {r} exited with status 0 before its training ended: a failure, "
+                      "replaced like a crash", file=sys.stderr, flush=True)
             self.replace(failed, codes)
             return False
         if all(c == 0 for r, c in codes.items() if r not in self.parked):
@@ -705,6 +718,8 @@ class _Job:
             "steps_per_s": round(final_step / train_s, 3) if final_step and train_s else None,
             "state_sha256": worker_summary.get("state_sha256"),
             "data_sha256": worker_summary.get("data_sha256"),
+            # The cross-replica checks (restart.integrity): how many, their cost, a record per one that found something
+            "integrity": worker_summary.get("integrity"),
             "rate_window_steps": RATE_WINDOW,
             "recoveries": recoveries,
             # Changes of the world's shape (replication.shrink): when the job shrank and grew back, and to whom.

@@ -23,7 +23,7 @@ from nemo_checkpointless.protocol import (
     write_worker_summary,
 )
 from nemo_checkpointless.restart import progress
-from nemo_checkpointless.restart.faults import fire_faults
+from nemo_checkpointless.restart.faults import fire_faults, slow_delay
 from nemo_checkpointless.state.hashing import batch_hash
 
 
@@ -71,7 +71,8 @@ class CheckpointlessCallback(Callback):
             strategy.session.engine.corrupt_next_send = True
 
         fire_faults(self.fault_plan, strategy.global_rank, step, strategy.membership.store, corrupt,
-                    grow=strategy._grow_at.add)
+                    grow=strategy._grow_at.add, bitflip=strategy.flip_bit)
+        slow_delay()  # a `slow` fault that fired: this rank is a straggler from then on
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -100,6 +101,7 @@ class CheckpointlessCallback(Callback):
             "state_sha256": digest,
             "data_sha256": strategy.data_digest.hexdigest,
             "data_steps": strategy.data_digest.steps,
+            "integrity": strategy.integrity.summary() if strategy.integrity is not None else None,
             "train_end_t": time.time(),
         }
         write_worker_summary(self.run_dir, summary)

@@ -44,6 +44,7 @@ from nemo_checkpointless import protocol
 from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.replication import ShardedOptimizer
 from nemo_checkpointless.restart import Membership, PeerFailure, progress
+from nemo_checkpointless.restart.integrity import IntegrityCheck
 from nemo_checkpointless.restart.recovery import Decision, Parked, Reshape, RestartFromCheckpoint
 from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
 from nemo_checkpointless.restart.worker_env import die_by_signal
@@ -102,7 +103,8 @@ class _InProcessLauncher(_Launcher):
                 return function(*args, **kwargs)
             except RestartFromCheckpoint as restart:
                 print(f"[rank {rank}] {restart}", flush=True)
-                strategy.join = JoinSpec("checkpoint", restart.generation, restart.decision.step)
+                strategy.join = JoinSpec("checkpoint" if restart.recovery else "rollback", restart.generation,
+                                         restart.decision.step)
             except _Regroup:
                 strategy.keep_own_state()
                 try:
@@ -218,6 +220,10 @@ class CheckpointlessStrategy(ParallelStrategy):
         verify_checksum: check the sha256 of every state a replacement receives (a mismatch: checkpoint fallback).
         cache_batches: serve the train loader's batches through the job's shared-memory cache (tier 2; what
             `MmapDataModule(your_datamodule)` sets), so a replacement's first batch is ready at once.
+        integrity_every_n_steps: compare every copy of every optimizer shard, and every rank's parameters, across
+            the replicas every n steps and after every recovery (0: never); a copy in a minority is repaired from
+            the majority, two copies that differ roll the job back. Default: `checkpointless-run`'s
+            `integrity.every_n_steps`, else 50.
     """
 
     strategy_name = "checkpointless"
@@ -225,7 +231,7 @@ class CheckpointlessStrategy(ParallelStrategy):
     def __init__(self, num_instances: int | None = None, grad_clip: float | None = None, *,
                  checkpoint_every_n_steps: int | None = None, checkpoint_dir: str | None = None,
                  collective_timeout_s: float | None = None, cache_batches: bool = False,
-                 verify_checksum: bool = True) -> None:
+                 verify_checksum: bool = True, integrity_every_n_steps: int | None = None) -> None:
         super().__init__(cluster_environment=LightningEnvironment())
         self._session: Session | None = None  # built when fit starts (`ensure_session`)
         self._num_instances_arg = num_instances
@@ -264,6 +270,8 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._grow_at: set[int] = set()  # steps at which this rank asks to grow back (fault plan kind `grow`)
         self._regroup = False  # the shrunk world agreed to grow back after the step just completed
         self._writer_instance = 0
+        self._integrity_every_arg = integrity_every_n_steps
+        self.integrity: IntegrityCheck | None = None  # the cross-replica check (built with the session)
         self._cached: Any = None  # the CachedTrainLoader of the current fit
         env = os.environ
         if protocol.SPARE_ID_ENV in env:
@@ -331,6 +339,14 @@ class CheckpointlessStrategy(ParallelStrategy):
                               "needs num_instances >= 2: with one optimizer instance there is nothing to shrink to",
                               "use --num-instances 2 (CheckpointlessStrategy(num_instances=2)), or drop --shrink")
         self._session.engine.extra_patience_s = env_number(protocol.REPLACEMENT_TIMEOUT_ENV, 0.0)
+        every = self._integrity_every_arg
+        if every is None:
+            every = int(env_number(protocol.INTEGRITY_EVERY_ENV, 50))
+        if every < 0:
+            raise ConfigError("CheckpointlessStrategy(integrity_every_n_steps=...)", every, "must be >= 0",
+                              "use 0 (no check) or a number of steps, e.g. 50")
+        self.integrity = IntegrityCheck(self._session.engine, self._session.dims, every,
+                                        int(env_number(protocol.INTEGRITY_FENCE_ENV, 2)))
 
     @property
     def shrink_enabled(self) -> bool:
@@ -423,9 +439,10 @@ class CheckpointlessStrategy(ParallelStrategy):
             self.decisions.append(decision)
             self.session.stamps.track(self.membership.generation)
             step = decision.step
-        elif self.join.kind == "checkpoint":
+        elif self.join.kind in ("checkpoint", "rollback"):  # a rollback: the integrity check's, not a recovery
             self.session.engine.load_checkpoint(self, self.join.step)
-            self.session.stamps.track(self.join.generation)
+            if self.join.kind == "checkpoint":
+                self.session.stamps.track(self.join.generation)
             step = self.join.step
         else:
             step = 0
@@ -435,6 +452,10 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._step_calls = []
         self._loops_resumed = False
         self._regroup = False
+        if self.integrity is not None and self.join.kind != "fresh":
+            # After any recovery every rank compares the replicas once the first step after it is done (survivors
+            # recovered inside that step get the same boundary in `_recover`).
+            self.integrity.pending = step + 1
         # The world's shape in this generation: which ranks' micro-batches this rank trains, and the average over
         # the ranks that take part in the gradient all-reduce.
         active = self.membership.active
@@ -603,6 +624,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         step = self.sharded.completed_steps
         if self._regroup:
             raise _Regroup()  # caught by the launcher: every rank of the shrunk world leaves `fit` here
+        self._check_integrity(step)
         every = self.session.checkpoint_every
         if (every and step and step % every == 0 and self.info.instance == self._writer_instance
                 and self.session.checkpoints is not None):
@@ -611,6 +633,47 @@ class CheckpointlessStrategy(ParallelStrategy):
             self.session.checkpoints.save_shard(step, self.info.checkpoint_slot, tensors_out, meta_out,
                                                 shared_prefix="param.")
         return True
+
+    def _check_integrity(self, step: int) -> None:
+        """The cross-replica check when due (`restart.integrity`; not in a shrunk world, whose dropped copies are
+        not there to compare). A repair loads the majority's state here, so the RNG is taken again after it."""
+        check = self.integrity
+        if check is None or self.membership.active is not None or not check.due(step) or self.world_size < 2:
+            return
+        assert self.sharded is not None
+        held = sum(g.flat.numel() * 4 for g in self.sharded.groups) + sum(
+            t.numel() * t.element_size() for t in self.sharded.shard_state().values())
+        try:
+            action = check.run(self, step, held)
+        except PeerFailure as failure:
+            self._recover(failure)  # a p2p recovery here; the check runs again at the next boundary
+            return
+        if action == "repair" and self._rng_to_restore is not None:
+            restore_rng(*self._rng_to_restore)
+            self._rng_to_restore = None
+            self._boundary = capture_rng()
+
+    def integrity_digests(self) -> tuple[int, int, bool]:
+        from nemo_checkpointless.state.integrity import crc
+
+        assert self.sharded is not None
+        flats = [g.flat for g in self.sharded.groups]
+        shard = [t for _, t in sorted(self.sharded.shard_state().items())]
+        # A NaN or an infinity anywhere makes the sum one: a pass that allocates nothing.
+        finite = all(math.isfinite(float(t.sum())) for t in [*flats, *shard] if t.is_floating_point())
+        return crc(flats), crc(shard), finite
+
+    def flip_bit(self) -> None:
+        """Fault plan kind `bitflip`: one bit of this rank's optimizer shard, in memory, silently (the first
+        optimizer state tensor, e.g. AdamW's exp_avg; before the first step, the shard's parameter slice)."""
+        assert self.sharded is not None
+        state = self.sharded.shard_state()
+        name = next((n for n in sorted(state) if not n.endswith(".param") and state[n].numel() > 1), None)
+        target = state[name] if name is not None else state["group0.param"]
+        flat = target.detach().view(-1).view(torch.int32)
+        flat[flat.numel() // 3] ^= 1 << 12
+        print(f"[rank {self.global_rank}] bitflip: bit 12 of element {flat.numel() // 3} of "
+              f"{name or 'group0.param'}", flush=True)
 
     def record_batch_hash(self, digest: bytes) -> None:
         """The hash of a micro-batch this rank trains on in the current step (sent with the gradients); several
@@ -660,6 +723,8 @@ class CheckpointlessStrategy(ParallelStrategy):
         """Raises RestartFromCheckpoint when peers cannot help."""
         self.decisions.append(self.session.engine.recover(self, failure))
         self.session.stamps.track(self.membership.generation)
+        if self.integrity is not None:  # the replicas are compared once the first step after it is done
+            self.integrity.pending = self.decisions[-1].step + 1
 
     def _replay(self, micro_batches: int) -> None:
         """Back to the step's boundary: RNG as it was, no gradients; then the step's first `micro_batches` again."""

@@ -41,7 +41,7 @@ from nemo_checkpointless.protocol import (
     write_worker_summary,
 )
 from nemo_checkpointless.restart import progress
-from nemo_checkpointless.restart.faults import fire_faults
+from nemo_checkpointless.restart.faults import fire_faults, slow_delay
 from nemo_checkpointless.state.hashing import DataDigest, state_digest
 from nemo_checkpointless.topology import rank_info
 
@@ -102,6 +102,7 @@ class CheckpointlessCallback(pl.Callback):
 
         session.beacon.mark(trainer.global_step + 1, progress.STEP_START)
         fire_faults(self.fault_plan, session.env.rank, trainer.global_step + 1, store, corrupt)
+        slow_delay()  # a `slow` fault that fired: this rank is a straggler from then on
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

@@ -18,17 +18,72 @@ class InjectedFault(RuntimeError):
     """The `exception` fault of a fault plan."""
 
 
-__all__ = ["InjectedFault", "fire_faults", "injected_key"]
+__all__ = ["SLOW_S", "InjectedFault", "fire_faults", "injected_key", "slow_delay"]
+
+SLOW_S = 0.2  # the `slow` fault: this much longer, every step from the one it fired at
+OOM_HEADROOM = 32 << 20  # the `oom` fault: the address-space limit it sets, above what the process maps now
+OOM_DEADLINE_S = 30.0  # the `oom` fault: a process still alive this long after it (stuck exiting) is ended
+_slow_s = 0.0  # this process's extra sleep per step (`slow`, once it fired)
+
+
+def slow_delay() -> None:
+    """The callbacks call this at every step's start: a rank whose `slow` fault fired sleeps `SLOW_S` (a straggler,
+    never replaced); every other rank returns at once."""
+    if _slow_s:
+        time.sleep(_slow_s)
+
+
+def _no_core_dump() -> None:
+    """A fault that dies of a signal whose default action dumps core (SIGSEGV, SIGABRT) writes no core file."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
+
+
+def _mapped_bytes() -> int:
+    """The process's address space now (what RLIMIT_AS limits): VmSize, from /proc/self/statm."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _run_out_of_memory(rank: int, step: int) -> None:
+    """The `oom` fault: limit this process's address space to just above what it maps now, then allocate past the
+    limit. The MemoryError is raised as any allocation's would be, and ends the process with a non-zero code
+    through its own error handling; should that handling get stuck (it runs with almost no memory left),
+    faulthandler's watchdog thread, started before the limit, ends the process after `OOM_DEADLINE_S`."""
+    import faulthandler
+    import resource
+
+    faulthandler.dump_traceback_later(OOM_DEADLINE_S, exit=True)
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = _mapped_bytes() + OOM_HEADROOM
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    hog = []
+    while True:  # chunks of the headroom: the last one does not fit
+        hog.append(bytearray(OOM_HEADROOM // 4))
+        if len(hog) > 64:  # not reached: the limit stops it after about 4 chunks
+            raise MemoryError(f"injected fault: oom on rank {rank} at step {step}")
 
 
 def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: Callable[[], None],
-                grow: Callable[[int], None] | None = None) -> None:
+                grow: Callable[[int], None] | None = None, bitflip: Callable[[], None] | None = None) -> None:
     """Fire the faults of `plan` (`FaultSpec`s) that name `rank` at 1-based `step`: `kill` (SIGKILL), `hang`
     (SIGSTOP), `spin` (a Python loop that never ends), `stall` (sleeps forever: idle, it never reaches the step's
     collectives), `gil` (blocks in a native call that holds the GIL: libc `pause` through `ctypes.PyDLL`),
-    `corrupt` (calls `corrupt()`: the next state this rank sends is damaged), `grow` (calls `grow(step)`: a shrunk
-    world grows back after this step, waiting for a spare if none is ready; not a fault, a test's way to fix the
-    step) or `exception` (raises `InjectedFault`)."""
+    `segfault` (a real segmentation fault in native code: `ctypes.string_at(0)` reads address 0; SIGSEGV),
+    `abort` (`os.abort()`: SIGABRT; neither writes a core file), `sigterm` (SIGTERM sent to itself: what the
+    process's handler does with it, Lightning's ends it), `oom` (limits its own address space, `RLIMIT_AS`, to just
+    above its current use and allocates past it: a MemoryError that ends the process), `exit0` (leaves at once with
+    exit status 0, `os._exit(0)`, before its training ended: a fault, not a success), `slow` (from this step on,
+    sleeps `SLOW_S` more at every step's start, in `slow_delay()`, which the callbacks call: a straggler, reported,
+    never replaced), `corrupt` (calls `corrupt()`: the next state this rank sends is damaged), `bitflip` (calls
+    `bitflip()`: one bit of this rank's optimizer shard flipped in memory, silently; the integrity check must catch
+    it), `grow` (calls `grow(step)`: a shrunk world grows back after this step, waiting for a spare if none is
+    ready; not a fault, a test's way to fix the step) or `exception` (raises `InjectedFault`)."""
+    global _slow_s
     for i, spec in enumerate(plan):
         if spec.rank != rank or spec.step != step or store.check([injected_key(i)]):
             continue
@@ -48,8 +103,27 @@ def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: 
             import ctypes
 
             ctypes.PyDLL(None).pause()  # a native call that keeps the GIL: no thread of this rank runs again
+        elif spec.kind == "segfault":
+            import ctypes
+
+            _no_core_dump()
+            ctypes.string_at(0)  # reads address 0 in libc's memcpy: SIGSEGV
+        elif spec.kind == "abort":
+            _no_core_dump()
+            os.abort()
+        elif spec.kind == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif spec.kind == "oom":
+            _run_out_of_memory(rank, step)
+        elif spec.kind == "exit0":
+            os._exit(0)
+        elif spec.kind == "slow":
+            _slow_s = SLOW_S
         elif spec.kind == "corrupt":
             corrupt()
+        elif spec.kind == "bitflip":
+            if bitflip is not None:
+                bitflip()
         elif spec.kind == "grow":
             if grow is not None:
                 grow(step)

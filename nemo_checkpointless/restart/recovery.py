@@ -89,7 +89,11 @@ class RecoveryStamps:
             if not self.pending[generation]:
                 self.store.set(key + "/first_step", entry)
                 self.pending[generation] = True
-            target = GenerationInfo.from_json(self.store.get(generation_info_key(generation))).target_step
+            info_key = generation_info_key(generation)
+            if not self.store.check([info_key]):  # not published (e.g. generation 0): nothing to catch up to
+                del self.pending[generation]
+                continue
+            target = GenerationInfo.from_json(self.store.get(info_key)).target_step
             if target is None or completed_steps >= target:
                 self.store.set(key + "/caught_up", entry)
                 del self.pending[generation]
@@ -145,10 +149,11 @@ class Parked(Exception):  # a control-flow signal, not an error
 class RestartFromCheckpoint(Exception):  # a control-flow signal, not an error
     """Raised out of the training step on a survivor: leave `fit`, reload step `step` from the checkpoint."""
 
-    def __init__(self, decision: Decision, generation: int) -> None:
+    def __init__(self, decision: Decision, generation: int, recovery: bool = True) -> None:
         super().__init__(f"restart from the checkpoint of step {decision.step}: {decision.reason}")
         self.decision = decision
         self.generation = generation
+        self.recovery = recovery  # False: not a recovery of a generation (the integrity check's rollback)
 
 
 def decide(dims: ParallelDims, reports: Sequence[Sequence[int]], checkpoints: CheckpointStore | None,
@@ -311,6 +316,11 @@ class RecoveryEngine:
         if decision.path == "checkpoint" and role == REPLACEMENT:
             self.load_checkpoint(participant, decision.step)
         return decision
+
+    def transfer(self, participant: Participant, decision: Decision) -> bool:
+        """Send each `decision.sources` rank's boundary state to the rank it serves, over the current world (also
+        the integrity check's repair). False on a checksum or format failure here."""
+        return self._transfer(participant, decision)
 
     def _transfer(self, participant: Participant, decision: Decision) -> bool:
         """Sources send, replacements receive and verify. Returns False on a checksum or format failure."""

@@ -28,7 +28,7 @@ class JoinSpec:
     """How this rank enters `fit`: fresh (step 0), as a replacement (receive state at `generation`), or from the
     persistent checkpoint of `step` after a fallback decided at `generation`."""
 
-    kind: str = "fresh"  # fresh | replacement | checkpoint
+    kind: str = "fresh"  # fresh | replacement | checkpoint | rollback (integrity) | kept (a reshaped world)
     generation: int = 0
     step: int = 0
 
