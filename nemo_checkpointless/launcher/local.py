@@ -329,12 +329,7 @@ class _Job:
             # A fault in a shrunk world: it grows back at once, every missing rank given a process and the parked
             # ones taking part as replacements (they receive their state like a spare would).
             reshape = "grow"
-            for rank in sorted(self.missing):
-                self.ranks[rank] = self._take_spare_or_start(rank, how)
-            rejoin = sorted(self.missing | self.parked)
-            self.missing.clear()
-            self.parked.clear()
-            self.active = None
+            rejoin = self._unshrink(how)
         elif not restart_all and self.cfg.replication.shrink and len(self._ready_spares(failed)) < len(failed):
             shrunk = shrink_layout(self.cfg.dims(), failed)
             if shrunk is not None:
@@ -389,15 +384,26 @@ class _Job:
     def _ready_spares(self, failed: list[int]) -> list[int]:
         """The spares ready to take a rank now; with replication.replacement_timeout_s, first waits that long for
         spares still starting to become ready (the survivors wait in their recovery meanwhile)."""
-        def ready() -> list[int]:
-            return [k for k, p in self.spares.items()
-                    if p.popen.poll() is None and self.store.check([spare_ready_key(k)])]
-
         deadline = time.monotonic() + self.cfg.replication.replacement_timeout_s
         starting = any(p.popen.poll() is None for p in self.spares.values())
-        while starting and len(ready()) < len(failed) and time.monotonic() < deadline:
+        while starting and len(self._ready_spare_ids()) < len(failed) and time.monotonic() < deadline:
             time.sleep(POLL_S)
-        return ready()
+        return self._ready_spare_ids()
+
+    def _ready_spare_ids(self) -> list[int]:
+        return [k for k, p in self.spares.items() if p.popen.poll() is None and self.store.check([spare_ready_key(k)])]
+
+    def _unshrink(self, how: dict[int, str]) -> list[int]:
+        """Back to the whole world: a process for every missing rank (`how` says which); returns the ranks that
+        rejoin (the missing and the parked ones), which receive their state like replacements."""
+        for rank in sorted(self.missing):
+            self.ranks[rank] = self._take_spare_or_start(rank, how)
+        rejoin = sorted(self.missing | self.parked)
+        self.missing.clear()
+        self.parked.clear()
+        self.active = None
+        self.store.delete_key(GROW_KEY)  # a request of the shrunk world, which is over
+        return rejoin
 
     def _take_spare_or_start(self, rank: int, how: dict[int, str]) -> _Proc:
         """A process for `rank` in the generation being published: a spare (ready first; one still starting is
@@ -430,13 +436,7 @@ class _Job:
         generation, the whole world, each missing rank given a spare, the parked ranks receiving their state."""
         self.generation += 1
         how: dict[int, str] = {}
-        for rank in sorted(self.missing):
-            self.ranks[rank] = self._take_spare_or_start(rank, how)
-        rejoin = sorted(self.missing | self.parked)
-        self.missing.clear()
-        self.parked.clear()
-        self.active = None
-        self.store.delete_key(GROW_KEY)
+        rejoin = self._unshrink(how)
         now = time.time()
         self.faults.append({"generation": self.generation, "failed_ranks": rejoin, "fault_kind": "grow",
                             "fault_t": now, "exit_codes": {}, "target_step": None, "restart_all": False, "hang": {},
@@ -457,8 +457,7 @@ class _Job:
             return
         if any(f.kind == "grow" for f in self.cfg.fault.plan):
             return  # a test's fault plan fixes the steps at which the job grows back (`grow`), not the spares
-        ready = [k for k, p in self.spares.items() if p.popen.poll() is None and self.store.check([spare_ready_key(k)])]
-        if len(ready) >= len(self.missing) and not self.store.check([GROW_KEY]):
+        if len(self._ready_spare_ids()) >= len(self.missing) and not self.store.check([GROW_KEY]):
             self.store.set(GROW_KEY, str(self.generation))
 
     def fault_seen_t(self) -> float:

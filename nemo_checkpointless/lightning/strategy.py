@@ -246,7 +246,6 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._num_nodes = 1
         self.sharded: ShardedOptimizer | None = None
         self.data_digest = DataDigest()
-        self._pending_batch_hash: bytes | None = None
         self._boundary: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         self._rng_to_restore: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         self.decisions: list[Decision] = []
@@ -693,7 +692,6 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._slot = slot
         before = self._step_hashes.get(slot)
         self._step_hashes[slot] = digest if before is None else hashlib.sha256(before + digest).digest()
-        self._pending_batch_hash = digest
         self._in_step = True
 
     # ------------------------------------------------------------------------------------- a step, recovered
@@ -749,7 +747,7 @@ class CheckpointlessStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         model = model or self.lightning_module
-        assert self.sharded is not None and self._pending_batch_hash is not None
+        assert self.sharded is not None and self._step_hashes, "a micro-batch of the step was not recorded"
         beacon, step = self.session.beacon, self._in_flight_step()
         beacon.mark(step, progress.OPTIMIZER)
         # Forward + backward (and Lightning's on_before_optimizer_step hooks) through the precision plugin.
@@ -785,7 +783,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self.data_digest.update(decode_hashes(summed[:-1]))
         # Every rank of the shrunk world sees the same sum: they all leave at the next boundary, or none does.
         self._regroup = self.membership.active is not None and bool(summed[-1] > 0)
-        self._pending_batch_hash = None
+        self._step_hashes = {}
         self._in_step = False
         self.session.stamps.stamp(self.sharded.completed_steps)
         beacon.mark(self.sharded.completed_steps, progress.STEP_DONE)
