@@ -13,7 +13,9 @@ from typing import Any
 from nemo_checkpointless.errors import ConfigError
 
 FAULT_KINDS = ("kill", "exception", "corrupt", "hang", "spin", "stall", "gil", "grow", "bitflip", "segfault",
-               "abort", "sigterm", "oom", "exit0", "slow")
+               "abort", "sigterm", "oom", "exit0", "slow", "nan", "nan_batch", "corrupt_restore")
+BITFLIP_TARGETS = ("shard", "param")  # fault kind bitflip: the optimizer shard's first state tensor, or a parameter
+NAN_POLICIES = ("stop", "skip")
 ENGINES = ("lightning", "nemo")
 PRECISIONS = ("32-true", "bf16-mixed")
 
@@ -238,12 +240,17 @@ class FaultSpec:
     (one bit of its optimizer shard flipped in memory); `segfault` (a segmentation fault in native code), `abort`
     (SIGABRT), `sigterm` (SIGTERM to itself), `oom` (runs out of memory under an address-space limit it sets),
     `exit0` (leaves with exit status 0 before its training ended: a fault, replaced like a crash); `slow` (from that
-    step on, every step of the rank takes 0.2 s longer: a straggler, reported, never replaced); or `grow` (not a
-    fault: a shrunk world grows back after that step, `replication.shrink`)."""
+    step on, every step of the rank takes 0.2 s longer: a straggler, reported, never replaced); `nan` (one
+    gradient element of the rank made NaN in that step, once: a transient fault), `nan_batch` (the same, every
+    time the rank computes that step: a batch that gives NaN); `corrupt_restore` (the next state the rank restores,
+    from a peer or the checkpoint, is damaged after its checksum passed; given twice, the next two); or `grow` (not
+    a fault: a shrunk world grows back after that step, `replication.shrink`). `target` is for `bitflip` only:
+    `shard` (default: the rank's optimizer shard) or `param` (its copy of a parameter outside its shard)."""
 
     kind: str = "kill"
     rank: int = 0
     step: int = 1
+    target: str = ""
 
 
 @dataclass
@@ -255,10 +262,17 @@ class IntegrityConfig:
 
     every_n_steps: int = 50
     fence_after: int = 2
+    # A non-finite gradient (`restart.integrity.NanGuard`) is attributed to the rank(s) it came from and the step
+    # run again; if it comes back on the same batch: stop the job (naming the batch's samples), or skip the batch
+    # (no update; the data moves on) with a record.
+    nan_policy: str = "stop"
 
     def __post_init__(self) -> None:
         _non_negative("integrity.every_n_steps", self.every_n_steps)
         _positive("integrity.fence_after", self.fence_after)
+        if self.nan_policy not in NAN_POLICIES:
+            raise ConfigError("integrity.nan_policy", self.nan_policy, f"must be one of {', '.join(NAN_POLICIES)}",
+                              "use stop (end the job, naming the batch) or skip (drop that batch, with a record)")
 
 
 @dataclass
@@ -403,6 +417,12 @@ class Config:
             if not 0 <= spec.rank < world:
                 raise ConfigError(f"fault.plan[{i}].rank", spec.rank, f"must name a rank in 0..{world - 1}",
                                   f"the job has {world} ranks (trainer.devices x trainer.num_nodes)")
+            if spec.target and (spec.kind != "bitflip" or spec.target not in BITFLIP_TARGETS):
+                raise ConfigError(f"fault.plan[{i}].target", spec.target,
+                                  f"names the tensor a bitflip hits: one of {', '.join(BITFLIP_TARGETS)}; "
+                                  f"kind {spec.kind} takes none" if spec.kind != "bitflip" else
+                                  f"must be one of {', '.join(BITFLIP_TARGETS)}",
+                                  "e.g. bitflip:1:9:param, or drop the target")
             # A user's script runs its own number of steps (trainer.max_steps is not passed to it).
             last = self.trainer.max_steps if self.script is None else None
             if not 1 <= spec.step <= (last or spec.step):

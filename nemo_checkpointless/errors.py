@@ -18,3 +18,7 @@ class ConfigError(ValueError):
 
 class RecoveryError(RuntimeError):
     """Recovery could not restore training (after bounded retries, or with no usable source)."""
+
+
+class SummaryError(RuntimeError):
+    """Training ended but the job's summary could not be put together (a record that never came)."""

@@ -40,6 +40,7 @@ SHRINK_ENV = f"{ENV_PREFIX}SHRINK"
 # integrity.every_n_steps, integrity.fence_after: the cross-replica check (`restart.integrity`)
 INTEGRITY_EVERY_ENV = f"{ENV_PREFIX}INTEGRITY_EVERY_N_STEPS"
 INTEGRITY_FENCE_ENV = f"{ENV_PREFIX}INTEGRITY_FENCE_AFTER"
+NAN_POLICY_ENV = f"{ENV_PREFIX}INTEGRITY_NAN_POLICY"  # integrity.nan_policy
 REPLACEMENT_TIMEOUT_ENV = f"{ENV_PREFIX}REPLACEMENT_TIMEOUT_S"
 CACHE_ROOT_ENV = f"{ENV_PREFIX}CACHE_ROOT"  # where the job's shared-memory batch cache lives (default /dev/shm)
 FAULT_PLAN_ENV = f"{ENV_PREFIX}FAULT_PLAN"  # JSON list of {kind, rank, step}: test and benchmark faults
@@ -66,6 +67,10 @@ JOB_ID_KEY = "job/data_cache_id"  # the job id that names the shared-memory batc
 # Set by the launcher while the job is shrunk and a spare is ready for every missing rank: the ranks of the
 # shrunk world agree (in their gradient all-reduce) on the step after which they grow back.
 GROW_KEY = "job/grow"
+# Set by the ranks that stop the job on purpose (JSON: rank, message, exit_code): a non-finite gradient that
+# reproduces under integrity.nan_policy=stop, a restore that failed its verification twice in a row. The launcher
+# ends the job with that message and exit code instead of replacing the ranks that left.
+STOP_KEY = "job/stop"
 
 
 def local_addr(store_host: str) -> str:
@@ -102,6 +107,19 @@ def regroup_key(generation: int) -> str:
 def injected_key(index: int) -> str:
     """Set by the rank that fires fault `index` of the fault plan (JSON: t, kind, rank, step)."""
     return f"job/fault/{index}/injected"
+
+
+def corrupt_restore_key(rank: int) -> str:
+    """Fault plan kind `corrupt_restore`: how many of the next states rank `rank` restores (from a peer or the
+    checkpoint) are damaged after their checksum passed. In the store, so that the replacement of the rank, a new
+    process, is the one that damages what it receives."""
+    return f"job/fault/corrupt_restore/{rank}"
+
+
+def samples_key(step: int, rank: int) -> str:
+    """What rank `rank` trained on in step `step` (JSON: sample ids per micro-batch), set when its gradient was not
+    finite twice on the same batch (`restart.integrity.NanGuard`)."""
+    return f"job/integrity/samples/{step}/{rank}"
 
 
 def training_key(pid: int) -> str:

@@ -74,10 +74,18 @@ def finish_job(proc: subprocess.Popen[bytes], run_dir: Path, rank_file: str, tim
                world_size: int = 4) -> dict[str, Any]:
     """Wait for a `checkpointless-run` job; assert it succeeded (else show its output and every rank's log tail);
     its summary.json with `ranks`: each rank's RUN_DIR/<rank_file with {r}> JSON, and `log`: its output."""
-    out, _ = proc.communicate(timeout=timeout_s)
+    timed_out = False
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        # Show what every rank was doing, not only pytest's frame: the launcher's log and each rank's log tail.
+        timed_out = True
+        proc.kill()
+        out, _ = proc.communicate()
     log = out.decode(errors="replace")
     logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
                      for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
+    assert not timed_out, f"the job did not end within {timeout_s} s\n{log[-5000:]}\n{logs}"
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{log[-5000:]}\n{logs}"
     summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
     summary["ranks"] = {r: json.loads((run_dir / rank_file.format(r=r)).read_text()) for r in range(world_size)}

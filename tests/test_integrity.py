@@ -6,6 +6,13 @@ script, compared with the fault-free run:
   from the majority at the next check, and the run ends bitwise-equal;
 - N=2 on 4 ranks: two copies that differ cannot say which is right: the job rolls back to the newest checkpoint at
   or before the last verified step and ends bitwise-equal;
+- a NaN in one rank's gradient (`nan`, once): attributed to that rank through the gradient all-reduce's side
+  channel, the step run again, the run ends bitwise-equal; a batch that gives a NaN every time (`nan_batch`): named
+  by its sample ids (checked against torch's own DistributedSampler), then skipped (`--nan-policy skip`: the data
+  moves on, nothing is repeated or skipped in the data record) or the job stopped with the story (the default);
+- every restore verified before the first step: a p2p restore damaged after its checksum passed
+  (`corrupt_restore`) is caught and rolled back to the last verified checkpoint, and ends equal; damaged twice in a
+  row, the job stops with the story instead of looping;
 - the verdict itself (pure), and bad input.
 """
 
@@ -22,6 +29,7 @@ from harness import child_env, finish_job
 
 from nemo_checkpointless.config import IntegrityConfig
 from nemo_checkpointless.errors import ConfigError
+from nemo_checkpointless.restart.integrity import STOPPED_EXIT_CODE, NanGuard
 from nemo_checkpointless.state.integrity import crc, judge
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,12 +79,33 @@ def test_bad_integrity_settings_say_so() -> None:
     assert proc.returncode == 2 and "fault.plan[0].rank=7: must name a rank in 0..3" in out, out
 
 
+def _cmd(run_dir: Path, world: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "nemo_checkpointless.cli.run", "--nproc-per-node", str(world), "--run-dir",
+            str(run_dir), "--collective-timeout", "8", "--integrity-every", "3", *args, str(SCRIPT), "--devices",
+            str(world), "--max-steps", "18", "--step-sleep", "0.02"]
+
+
 def _run(run_dir: Path, world: int, *args: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "nemo_checkpointless.cli.run", "--nproc-per-node", str(world), "--run-dir",
-           str(run_dir), "--collective-timeout", "8", "--integrity-every", "3", *args, str(SCRIPT), "--devices",
-           str(world), "--max-steps", "18", "--step-sleep", "0.02"]
-    proc = subprocess.Popen(cmd, env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(_cmd(run_dir, world, *args), env=child_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
     return finish_job(proc, run_dir, "user_rank{r}.json", TIMEOUT_S, world_size=world)
+
+
+def _stopped(run_dir: Path, *args: str) -> str:
+    """A job that must stop itself: its exit code is 3 (`STOPPED_EXIT_CODE`); returns its output."""
+    proc = subprocess.run(_cmd(run_dir, 4, *args), env=child_env(), cwd=ROOT, capture_output=True,
+                          timeout=TIMEOUT_S, check=False)
+    out = (proc.stdout + proc.stderr).decode(errors="replace")
+    assert proc.returncode == STOPPED_EXIT_CODE, f"exit code {proc.returncode}\n{out[-5000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The fault-free run on 4 ranks, N=2, a checkpoint every 3 steps."""
+    summary = _run(tmp_path_factory.mktemp("integrity") / "ref4", 4, "--checkpoint-every", "3")
+    assert summary["integrity"]["records"] == [] and summary["recoveries"] == [], summary["integrity"]
+    return summary
 
 
 def _assert_equal(reference: dict[str, Any], summary: dict[str, Any], world: int) -> None:
@@ -90,7 +119,8 @@ def _assert_equal(reference: dict[str, Any], summary: dict[str, Any], world: int
 
 @pytest.mark.slow
 @pytest.mark.timeout(3 * TIMEOUT_S)
-def test_a_flipped_bit_is_outvoted_with_three_instances_and_rolled_back_with_two(tmp_path: Path) -> None:
+def test_a_flipped_bit_is_outvoted_with_three_instances_and_rolled_back_with_two(reference4: dict[str, Any],
+                                                                                 tmp_path: Path) -> None:
     reference = _run(tmp_path / "ref6", 6, "--num-instances", "3")
     integrity = reference["integrity"]
     assert integrity["checks"] == 5 and integrity["records"] == [], integrity  # at steps 3, 6, ..., 15
@@ -105,12 +135,18 @@ def test_a_flipped_bit_is_outvoted_with_three_instances_and_rolled_back_with_two
     assert all(len(p) == 1 for p in flipped["pids"].values()), flipped["pids"]
     # N=2: rank 1's copy and rank 3's differ, nobody can say which is right: back to the checkpoint of step 6 (the
     # last verified one), trained again from there.
-    reference4 = _run(tmp_path / "ref4", 4, "--checkpoint-every", "3")
     rolled = _run(tmp_path / "n2", 4, "--checkpoint-every", "3", "--fault", "bitflip:1:8")
     _assert_equal(reference4, rolled, 4)
     [record] = rolled["integrity"]["records"]
     assert record["step"] == 9 and record["decision"] == "rollback" and record["rolled_back_to"] == 6, record
     assert "no majority" in record["reason"], record
+    # A bit of rank 1's parameters (outside its own shard) flipped at rest, after step 9's all-gather: its copy is
+    # outvoted by the three others at the check of step 9, before any forward uses it, and repaired from rank 3.
+    param = _run(tmp_path / "param", 4, "--checkpoint-every", "3", "--fault", "bitflip:1:9:param")
+    _assert_equal(reference4, param, 4)
+    [record] = param["integrity"]["records"]
+    assert (record["step"], record["decision"], record["ranks"]) == (9, "repair", [1]), record
+    assert record["repaired_from"] == {"1": 3}, record
 
 
 def test_non_finite_state_is_never_a_majority() -> None:
@@ -121,3 +157,89 @@ def test_non_finite_state_is_never_a_majority() -> None:
     assert (v.action, v.bad) == ("repair", (3,)) and "non-finite" in v.reason, v
     v = judge(params, shards, groups, {r: False for r in range(6)})  # equal NaNs everywhere
     assert v.action == "rollback", v
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * TIMEOUT_S)
+def test_a_nan_is_attributed_rerun_or_named_by_its_samples(reference4: dict[str, Any], tmp_path: Path) -> None:
+    import torch
+    from torch.utils.data import DistributedSampler
+
+    # Once, on rank 2 at step 7: the side channel names rank 2, every rank runs step 7 again from its boundary,
+    # the NaN does not come back (the rank is suspect, not the batch), and the run is the fault-free one.
+    once = _run(tmp_path / "once", 4, "--checkpoint-every", "3", "--fault", "nan:2:7")
+    _assert_equal(reference4, once, 4)
+    assert once["data_sha256"] == reference4["data_sha256"]
+    [record] = once["integrity"]["records"]
+    assert (record["step"], record["kind"], record["ranks"]) == (7, "nonfinite_gradient", [2]), record
+    assert record["reproduced"] is False and record["strikes"] == {"2": 1}, record
+    assert once["recoveries"] == [] and all(len(p) == 1 for p in once["pids"].values()), once["recoveries"]
+    # Every time rank 1 computes step 5 (its batch gives it): reproduced, named by sample ids, skipped.
+    skipped = _run(tmp_path / "skip", 4, "--checkpoint-every", "3", "--nan-policy", "skip", "--fault",
+                   "nan_batch:1:5")
+    [record] = skipped["integrity"]["records"]
+    assert (record["step"], record["ranks"], record["reproduced"], record["decision"]) == (5, [1], True, "skip")
+    # The sample ids of rank 1's step 5 (epoch 0, its 5th batch of 8), as torch's own sampler orders them.
+    order = list(DistributedSampler(torch.arange(512), num_replicas=4, rank=1, shuffle=True, seed=1234))
+    samples = record["samples"]["1"]
+    assert samples["step"] == 5 and samples["sample_ids"] == [order[32:40]], samples
+    assert skipped["final_step"] == 18 and skipped["data_sha256"] == reference4["data_sha256"]  # data moved on
+    assert skipped["state_sha256"] != reference4["state_sha256"]  # one update fewer
+    # The default policy: the job stops, with the story and the samples, instead of training on.
+    out = _stopped(tmp_path / "stop", "--fault", "nan_batch:1:5")
+    assert "rank 1 stopped the job: step 5: the gradient of rank(s) [1] is not finite" in out, out[-3000:]
+    assert str(order[32:40]) in out and "integrity.nan_policy=stop" in out, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * TIMEOUT_S)
+def test_a_restore_damaged_after_its_checksum_is_caught_before_the_first_step(reference4: dict[str, Any],
+                                                                             tmp_path: Path) -> None:
+    # Rank 1 killed at step 8; its replacement's state (from rank 3, checksum passed) is damaged as it is loaded.
+    # The verification before the first step sees rank 1's shard differ from rank 3's: back to the checkpoint of
+    # step 6 (the last verified), which verifies, and the run ends equal.
+    plan = ("--spares", "1", "--checkpoint-every", "3", "--fault", "corrupt_restore:1:8", "--fault", "kill:1:8")
+    caught = _run(tmp_path / "caught", 4, *plan)
+    _assert_equal(reference4, caught, 4)
+    [record] = caught["integrity"]["records"]
+    assert (record["step"], record["kind"], record["source"], record["decision"]) == (
+        7, "restore_mismatch", "p2p", "rollback"), record
+    assert record["rolled_back_to"] == 6 and record["ranks"] == [1, 3], record
+    assert "rank 1's restored optimizer shard differ from its source rank 3's" in record["reason"], record
+    # Damaged again when it loads that checkpoint: the second failed restore in a row stops the job with the story.
+    out = _stopped(tmp_path / "twice", *plan[:4], "--fault", "corrupt_restore:1:8", *plan[4:])  # before the kill
+    assert "the checkpoint restore at step 6 failed its verification" in out, out[-3000:]
+    assert "the restore before it failed too, so the job stops instead of looping" in out, out[-3000:]
+
+
+def test_the_nan_guard_attributes_and_decides() -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))
+    guard = NanGuard(store=store, rank=0, policy="skip", fence_after=2)
+    nan, ok = float("nan"), 1.0
+    assert guard.judge(3, {0: ok, 1: ok}, lambda: None) == "ok"
+    assert guard.judge(4, {0: ok, 1: nan}, lambda: None) == "rerun"
+    assert guard.judge(4, {0: ok, 1: ok}, lambda: None) == "ok"  # gone when run again: rank 1 is suspect
+    assert guard.records[-1]["reproduced"] is False and guard.strikes == {1: 1}
+    assert guard.judge(6, {0: float("inf"), 1: ok}, lambda: None) == "rerun"
+    assert guard.judge(6, {0: float("inf"), 1: ok}, lambda: {"sample_ids": [[1, 2]]}) == "skip"
+    assert guard.records[-1]["samples"] == {"0": {"sample_ids": [[1, 2]]}}, guard.records[-1]
+
+
+def test_bad_nan_and_bitflip_settings_say_so() -> None:
+    with pytest.raises(ConfigError, match=r"integrity.nan_policy=ignore: must be one of stop, skip"):
+        IntegrityConfig(nan_policy="ignore")
+    for args, message in ((("--nan-policy", "ignore"), "integrity.nan_policy=ignore: must be one of stop, skip"),
+                          (("--fault", "bitflip:1:3:moments"), "fault.plan[0].target=moments: must be one of shard, "
+                                                               "param"),
+                          (("--fault", "kill:1:3:param"), "fault.plan[0].target=param: names the tensor a bitflip "
+                                                          "hits")):
+        proc = subprocess.run([sys.executable, "-m", "nemo_checkpointless.cli.run", "--nproc-per-node", "4", *args,
+                               str(SCRIPT)], env=child_env(), cwd=ROOT, capture_output=True, timeout=TIMEOUT_S,
+                              check=False)
+        out = (proc.stdout + proc.stderr).decode()
+        assert proc.returncode == 2 and message in out, out

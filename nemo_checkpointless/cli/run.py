@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     ours.add_argument("--integrity-every", "--integrity_every", type=int, default=50, metavar="N",
                       help="compare the optimizer shards' replicas and every rank's parameters every N steps and "
                            "after every recovery (0: never)")
+    ours.add_argument("--nan-policy", "--nan_policy", default="stop", metavar="POLICY",
+                      help="a non-finite gradient that comes back when its step is run again: stop (end the job, "
+                           "naming the batch's samples) or skip (drop that batch, with a record)")
     parser.set_defaults(max_restarts=3)
     return parser
 
@@ -138,9 +141,11 @@ def _fault_plan(specs: list[str]) -> list[dict[str, Any]]:
     out = []
     for spec in specs:
         parts = spec.split(":")
-        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
-            raise ConfigError("--fault", spec, "must be KIND:RANK:STEP", "e.g. --fault kill:1:20")
-        out.append({"kind": parts[0], "rank": int(parts[1]), "step": int(parts[2])})
+        if len(parts) not in (3, 4) or not parts[1].isdigit() or not parts[2].isdigit():
+            raise ConfigError("--fault", spec, "must be KIND:RANK:STEP (bitflip: KIND:RANK:STEP[:TARGET])",
+                              "e.g. --fault kill:1:20, --fault bitflip:1:9:param")
+        out.append({"kind": parts[0], "rank": int(parts[1]), "step": int(parts[2]),
+                    **({"target": parts[3]} if len(parts) == 4 else {})})
     return out
 
 
@@ -261,7 +266,7 @@ def _config(args: argparse.Namespace) -> Any:
                             spare_nodes=args.spare_nodes, shrink=args.shrink,
                             replacement_timeout_s=args.replacement_timeout),
         checkpoint=replace(cfg.checkpoint, every_n_steps=args.checkpoint_every),
-        integrity=replace(cfg.integrity, every_n_steps=args.integrity_every),
+        integrity=replace(cfg.integrity, every_n_steps=args.integrity_every, nan_policy=args.nan_policy),
         fault=replace(cfg.fault, plan=[FaultSpec(**f) for f in plan]),
         launcher=replace(cfg.launcher, host=args.master_addr, max_restarts=args.max_restarts,
                          collective_timeout_s=args.collective_timeout, on_failure=args.on_failure,

@@ -221,6 +221,7 @@ class _Job:
         env = WorkerEnv(rank, world, rank, self.cfg.launcher.host, self.port, str(self.run_dir)).to_environ()
         env[protocol.INTEGRITY_EVERY_ENV] = str(self.cfg.integrity.every_n_steps)
         env[protocol.INTEGRITY_FENCE_ENV] = str(self.cfg.integrity.fence_after)
+        env[protocol.NAN_POLICY_ENV] = self.cfg.integrity.nan_policy
         if self.cfg.replication.shrink:
             env[protocol.SHRINK_ENV] = "1"
             env[protocol.REPLACEMENT_TIMEOUT_ENV] = str(self.cfg.replication.replacement_timeout_s)
@@ -662,6 +663,9 @@ class _Job:
             raise LaunchError(f"rank(s) {failed} failed after rank(s) {done} finished training; there is no "
                               f"peer left to recover them. {self.where(failed[0])}",
                               exit_code=max(1, abs(codes[failed[0]] or 1)))
+        if failed and self.store.check([protocol.STOP_KEY]):
+            stop = json.loads(self.store.get(protocol.STOP_KEY))  # the ranks stopped the job on purpose
+            raise LaunchError(f"rank {stop['rank']} stopped the job: {stop['message']}", exit_code=stop["exit_code"])
         if failed:
             self.store.set(FAULT_KEY, str(self.generation))  # unblock the survivors' collectives at once
             time.sleep(GRACE_S)

@@ -71,7 +71,7 @@ class CheckpointlessCallback(Callback):
             strategy.session.engine.corrupt_next_send = True
 
         fire_faults(self.fault_plan, strategy.global_rank, step, strategy.membership.store, corrupt,
-                    grow=strategy._grow_at.add, bitflip=strategy.flip_bit)
+                    grow=strategy._grow_at.add, bitflip=strategy.flip_bit, nan=strategy.poison_gradient)
         slow_delay()  # a `slow` fault that fired: this rank is a straggler from then on
 
     @override

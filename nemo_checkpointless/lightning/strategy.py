@@ -44,7 +44,7 @@ from nemo_checkpointless import protocol
 from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.replication import ShardedOptimizer
 from nemo_checkpointless.restart import Membership, PeerFailure, progress
-from nemo_checkpointless.restart.integrity import IntegrityCheck
+from nemo_checkpointless.restart.integrity import IntegrityCheck, NanGuard
 from nemo_checkpointless.restart.recovery import Decision, Parked, Reshape, RestartFromCheckpoint
 from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
 from nemo_checkpointless.restart.worker_env import die_by_signal
@@ -224,6 +224,9 @@ class CheckpointlessStrategy(ParallelStrategy):
             the replicas every n steps and after every recovery (0: never); a copy in a minority is repaired from
             the majority, two copies that differ roll the job back. Default: `checkpointless-run`'s
             `integrity.every_n_steps`, else 50.
+        nan_policy: a non-finite gradient is attributed to the rank it came from and its step run again; if it
+            comes back with the same batch: "stop" the job, naming the batch's samples, or "skip" the batch (no
+            update; the data moves on) with a record. Default: `checkpointless-run --nan-policy`, else "stop".
     """
 
     strategy_name = "checkpointless"
@@ -231,7 +234,8 @@ class CheckpointlessStrategy(ParallelStrategy):
     def __init__(self, num_instances: int | None = None, grad_clip: float | None = None, *,
                  checkpoint_every_n_steps: int | None = None, checkpoint_dir: str | None = None,
                  collective_timeout_s: float | None = None, cache_batches: bool = False,
-                 verify_checksum: bool = True, integrity_every_n_steps: int | None = None) -> None:
+                 verify_checksum: bool = True, integrity_every_n_steps: int | None = None,
+                 nan_policy: str | None = None) -> None:
         super().__init__(cluster_environment=LightningEnvironment())
         self._session: Session | None = None  # built when fit starts (`ensure_session`)
         self._num_instances_arg = num_instances
@@ -271,6 +275,10 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._writer_instance = 0
         self._integrity_every_arg = integrity_every_n_steps
         self.integrity: IntegrityCheck | None = None  # the cross-replica check (built with the session)
+        self._nan_policy_arg = nan_policy
+        self.nan_guard: NanGuard | None = None  # non-finite gradients (built with the session)
+        self._poison: dict[int, bool] = {}  # fault plan kinds nan / nan_batch: step -> persistent
+        self._flip_param_at_step_end = False  # fault plan kind bitflip, target param
         self._cached: Any = None  # the CachedTrainLoader of the current fit
         env = os.environ
         if protocol.SPARE_ID_ENV in env:
@@ -344,8 +352,15 @@ class CheckpointlessStrategy(ParallelStrategy):
         if every < 0:
             raise ConfigError("CheckpointlessStrategy(integrity_every_n_steps=...)", every, "must be >= 0",
                               "use 0 (no check) or a number of steps, e.g. 50")
-        self.integrity = IntegrityCheck(self._session.engine, self._session.dims, every,
-                                        int(env_number(protocol.INTEGRITY_FENCE_ENV, 2)))
+        fence_after = int(env_number(protocol.INTEGRITY_FENCE_ENV, 2))
+        self.integrity = IntegrityCheck(self._session.engine, self._session.dims, every, fence_after)
+        policy = self._nan_policy_arg or os.environ.get(protocol.NAN_POLICY_ENV) or "stop"
+        if policy not in ("stop", "skip"):
+            raise ConfigError("CheckpointlessStrategy(nan_policy=...)", policy, "must be one of stop, skip",
+                              "use stop (end the job, naming the batch) or skip (drop that batch, with a record)")
+        self.nan_guard = NanGuard(self._session.membership.store, self._session.env.rank, policy, fence_after,
+                                  records=self.integrity.records)
+        self._session.engine.damage = lambda: self.flip_bit("shard")  # fault plan kind corrupt_restore
 
     @property
     def shrink_enabled(self) -> bool:
@@ -425,7 +440,7 @@ class CheckpointlessStrategy(ParallelStrategy):
             self.lightning_module, self.optimizers[0], dp_size=self.session.dims.dp,
             num_instances=self.num_instances, shard_index=info.shard_index, dp_group=lambda: membership.world(),
             instance_group=lambda: membership.group("instance", info.shard_group), grad_clip=self.grad_clip,
-            side_channel_numel=self.world_size * 32 + 1)  # + 1: a shrunk world's "grow back" flag
+            side_channel_numel=self._side_numel)
         if self.join.kind == "kept":  # the same rank, its world reshaped: its own state, kept in memory
             assert self._kept is not None
             self.lightning_module.zero_grad(set_to_none=True)
@@ -466,6 +481,25 @@ class CheckpointlessStrategy(ParallelStrategy):
             self._user_accumulate = trainer.accumulate_grad_batches
         trainer.accumulate_grad_batches = self._user_accumulate * len(self._served)
         self.session.stamps.lead = self.is_lead
+        if self.join.kind != "fresh":
+            # Every restore is verified before the first step trains on it (the survivors of a p2p recovery that
+            # stayed in their step verify in `_recover`; the ranks that kept their own state take part).
+            p2p = self.join.kind == "kept" or (self.join.kind == "replacement" and self.decisions[-1].path == "p2p")
+            self._verify_restore(step, self.decisions[-1].sources if self.join.kind == "replacement" and p2p
+                                 else {}, "p2p" if p2p else "checkpoint")
+
+    def _verify_restore(self, step: int, sources: dict[int, int], how: str) -> None:
+        """`IntegrityCheck.verify_restore` where the world is whole (a shrunk world's dropped copies are not there
+        to compare); raises `RestartFromCheckpoint` when the restored state fails it."""
+        if self.integrity is None or self.membership.active is not None or self.world_size < 2:
+            return
+        self.integrity.verify_restore(self, step, sources, how)
+
+    @property
+    def _side_numel(self) -> int:
+        """The side channel of the gradient all-reduce: each rank's batch hash (32 slots a rank), a shrunk world's
+        "grow back" flag, each rank's own gradient norm (the NaN guard)."""
+        return self.world_size * 33 + 1
 
     def keep_own_state(self) -> None:
         """Keep this rank's step-boundary state in memory across a re-entry of `fit` (a reshaped world)."""
@@ -623,9 +657,10 @@ class CheckpointlessStrategy(ParallelStrategy):
         step = self.sharded.completed_steps
         if self._regroup:
             raise _Regroup()  # caught by the launcher: every rank of the shrunk world leaves `fit` here
-        self._check_integrity(step)
         every = self.session.checkpoint_every
-        if (every and step and step % every == 0 and self.info.instance == self._writer_instance
+        checkpoint_due = bool(every and step and step % every == 0)
+        self._check_integrity(step, checkpoint_due)  # a checkpoint is written only once the replicas agree
+        if (checkpoint_due and self.info.instance == self._writer_instance
                 and self.session.checkpoints is not None):
             self.session.beacon.mark(step, progress.CHECKPOINT)
             tensors_out, meta_out = self.boundary_state()
@@ -633,11 +668,13 @@ class CheckpointlessStrategy(ParallelStrategy):
                                                 shared_prefix="param.")
         return True
 
-    def _check_integrity(self, step: int) -> None:
+    def _check_integrity(self, step: int, checkpoint_due: bool = False) -> None:
         """The cross-replica check when due (`restart.integrity`; not in a shrunk world, whose dropped copies are
-        not there to compare). A repair loads the majority's state here, so the RNG is taken again after it."""
+        not there to compare), and before every persistent checkpoint (so each one written is verified: a rollback
+        goes to it). A repair loads the majority's state here, so the RNG is taken again after it."""
         check = self.integrity
-        if check is None or self.membership.active is not None or not check.due(step) or self.world_size < 2:
+        if (check is None or self.membership.active is not None or self.world_size < 2
+                or not ((checkpoint_due and check.every_n_steps) or check.due(step))):
             return
         assert self.sharded is not None
         held = sum(g.flat.numel() * 4 for g in self.sharded.groups) + sum(
@@ -662,17 +699,64 @@ class CheckpointlessStrategy(ParallelStrategy):
         finite = all(math.isfinite(float(t.sum())) for t in [*flats, *shard] if t.is_floating_point())
         return crc(flats), crc(shard), finite
 
-    def flip_bit(self) -> None:
-        """Fault plan kind `bitflip`: one bit of this rank's optimizer shard, in memory, silently (the first
-        optimizer state tensor, e.g. AdamW's exp_avg; before the first step, the shard's parameter slice)."""
+    def flip_bit(self, target: str = "shard") -> None:
+        """Fault plan kinds `bitflip` and `corrupt_restore`: one bit flipped in memory, silently. `target` "shard":
+        this rank's optimizer shard (the first optimizer state tensor, e.g. AdamW's exp_avg; before the first step,
+        the shard's parameter slice); "param": this rank's copy of the parameters, outside its own shard, at the end
+        of the step in flight (after its all-gather: memory corrupted at rest, which the next forward would use)."""
         assert self.sharded is not None
+        if target == "param":
+            self._flip_param_at_step_end = True
+            return
         state = self.sharded.shard_state()
         name = next((n for n in sorted(state) if not n.endswith(".param") and state[n].numel() > 1), None)
-        target = state[name] if name is not None else state["group0.param"]
-        flat = target.detach().view(-1).view(torch.int32)
+        tensor = state[name] if name is not None else state["group0.param"]
+        flat = tensor.detach().view(-1).view(torch.int32)
         flat[flat.numel() // 3] ^= 1 << 12
         print(f"[rank {self.global_rank}] bitflip: bit 12 of element {flat.numel() // 3} of "
               f"{name or 'group0.param'}", flush=True)
+
+    def poison_gradient(self, step: int, persistent: bool) -> None:
+        """Fault plan kinds `nan` (once) and `nan_batch` (every time step `step` is computed on this rank): one
+        element of this rank's gradient is made NaN after the step's backward, before the gradient all-reduce."""
+        self._poison[step] = persistent
+
+    def _apply_poison(self, step: int) -> None:
+        if step not in self._poison:
+            return
+        if not self._poison[step]:
+            del self._poison[step]
+        assert self.sharded is not None
+        grad = next(p.grad for p in self.sharded.parameters() if p.grad is not None)
+        grad.view(-1)[0] = float("nan")
+        print(f"[rank {self.global_rank}] injected: a NaN in the gradient of step {step}", flush=True)
+
+    def _step_samples(self) -> Any:
+        """The sample ids of this rank's micro-batches in the step in flight (for a record); a loader whose
+        sampler this strategy does not see says what it can: the step and the micro-batch hashes."""
+        assert self.sharded is not None and self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        step = self.sharded.completed_steps  # completed before the step in flight
+        hashes = {str(slot): digest.hex()[:16] for slot, digest in self._step_hashes.items()}
+        loader = trainer.fit_loop._combined_loader
+        flat = getattr(loader, "flattened", None) if loader is not None else None
+        dataloader = flat[0] if flat else None
+        batch_sampler = getattr(dataloader, "batch_sampler", None)
+        sampler = getattr(batch_sampler, "sampler", None)
+        if not isinstance(sampler, _ResumingSampler) or not isinstance(batch_sampler, BatchSampler):
+            return {"step": step + 1, "batch_hashes": hashes, "sample_ids": None,
+                    "why": f"the loader's sampler ({type(sampler).__name__}) does not give sample ids"}
+        import copy
+
+        accumulate = trainer.accumulate_grad_batches
+        batches = len(dataloader)  # type: ignore[arg-type]
+        steps_per_epoch = max(1, math.ceil(batches / accumulate))
+        first = (step % steps_per_epoch) * accumulate
+        inner = copy.copy(sampler.inner)  # its epoch is the one in flight (Lightning set it)
+        order = list(iter(inner))
+        size = batch_sampler.batch_size
+        ids = [order[(first + k) * size:(first + k + 1) * size] for k in range(accumulate)]
+        return {"step": step + 1, "batch_hashes": hashes, "sample_ids": ids}
 
     def record_batch_hash(self, digest: bytes) -> None:
         """The hash of a micro-batch this rank trains on in the current step (sent with the gradients); several
@@ -718,11 +802,16 @@ class CheckpointlessStrategy(ParallelStrategy):
                 replay = True
 
     def _recover(self, failure: PeerFailure) -> None:
-        """Raises RestartFromCheckpoint when peers cannot help."""
-        self.decisions.append(self.session.engine.recover(self, failure))
+        """Raises RestartFromCheckpoint when peers cannot help, or when the restored state fails its verification."""
+        decision = self.session.engine.recover(self, failure)
+        self.decisions.append(decision)
         self.session.stamps.track(self.membership.generation)
         if self.integrity is not None:  # the replicas are compared once the first step after it is done
-            self.integrity.pending = self.decisions[-1].step + 1
+            self.integrity.pending = decision.step + 1
+        try:
+            self._verify_restore(decision.step, decision.sources, "p2p")
+        except PeerFailure as again:  # a fault while verifying: one more recovery (verified in its turn)
+            self._recover(again)
 
     def _replay(self, micro_batches: int) -> None:
         """Back to the step's boundary: RNG as it was, no gradients; then the step's first `micro_batches` again."""
@@ -752,37 +841,60 @@ class CheckpointlessStrategy(ParallelStrategy):
         beacon.mark(step, progress.OPTIMIZER)
         # Forward + backward (and Lightning's on_before_optimizer_step hooks) through the precision plugin.
         result = self.precision_plugin._wrap_closure(model, optimizer, closure)
+        self._apply_poison(step)
         beacon.mark(step, progress.GRAD_SYNC)
-        side = torch.zeros(self.world_size * 32 + 1)
+        world, hashes = self.world_size, self.world_size * 32
+        side = torch.zeros(self._side_numel)
         for slot, digest in self._step_hashes.items():
-            side[:-1] += encode_hash(digest, slot, self.world_size)
+            side[:hashes] += encode_hash(digest, slot, world)
         if self.membership.active is not None and (
                 step in self._grow_at or self.membership.store.check([protocol.GROW_KEY])):
-            side[-1] = 1.0  # a shrunk world: this rank asks to grow back after this step
+            side[hashes] = 1.0  # a shrunk world: this rank asks to grow back after this step
         replay = False
         while True:
             try:
                 if replay:
-                    # The step made collectives of its own before its gradient all-reduce: everyone redoes it
-                    # from its boundary (the replacement makes the same collectives for the first time).
+                    # The step made collectives of its own before its gradient all-reduce, or its gradients
+                    # were not finite: everyone redoes it from its boundary (a replacement makes the same
+                    # collectives for the first time).
                     self._replay(len(self._step_calls) - 1)
                     self._replaying = True
                     try:
                         result = self.precision_plugin._wrap_closure(model, optimizer, closure)
                     finally:
                         self._replaying = False
+                    self._apply_poison(step)
                     replay = False
-                summed = self.sharded.step(side)
+                summed = self.sharded.reduce_gradients(side, local_norm_at=hashes + 1 + self.global_rank)
+                assert summed is not None and self.nan_guard is not None
+                norms = summed[hashes + 1:]
+                ranks = self.membership.world().ranks
+                verdict = self.nan_guard.judge(step, {r: float(norms[r]) for r in ranks}, self._step_samples)
+                if verdict == "rerun":
+                    self.sharded.discard(count_step=False)
+                    replay = True
+                    continue
+                if verdict == "skip":
+                    self.sharded.discard(count_step=True)
+                else:
+                    self.sharded.apply()
                 break
             except PeerFailure as failure:
                 # Raises RestartFromCheckpoint when peers cannot help. Without collectives of its own, the step
                 # is retried from its gradient all-reduce with the gradients this rank already holds.
                 replay = replay or self._step_collectives > 0
                 self._recover(failure)
-        assert summed is not None
-        self.data_digest.update(decode_hashes(summed[:-1]))
+        if self._flip_param_at_step_end:  # fault plan kind bitflip, target param
+            self._flip_param_at_step_end = False
+            g = self.sharded.groups[0]
+            index = (g.hi + g.flat.numel() // 3) % g.flat.numel()  # outside [lo, hi) when the shard is a part
+            if g.lo <= index < g.hi:
+                index = (g.hi + 1) % g.flat.numel()
+            g.flat.view(torch.int32)[index] ^= 1 << 12
+            print(f"[rank {self.global_rank}] bitflip: bit 12 of element {index} of the parameters", flush=True)
+        self.data_digest.update(decode_hashes(summed[:hashes]))
         # Every rank of the shrunk world sees the same sum: they all leave at the next boundary, or none does.
-        self._regroup = self.membership.active is not None and bool(summed[-1] > 0)
+        self._regroup = self.membership.active is not None and bool(summed[hashes] > 0)
         self._step_hashes = {}
         self._in_step = False
         self.session.stamps.stamp(self.sharded.completed_steps)

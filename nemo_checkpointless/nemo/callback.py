@@ -27,9 +27,9 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from nemo_checkpointless.config import FaultSpec
-from nemo_checkpointless.errors import ConfigError
-from nemo_checkpointless.nemo.data import take_step_digest
+from nemo_checkpointless.config import FAULT_KINDS, FaultSpec
+from nemo_checkpointless.errors import ConfigError, SummaryError
+from nemo_checkpointless.nemo.data import data_key
 from nemo_checkpointless.nemo.digest import slice_digest
 from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
 from nemo_checkpointless.protocol import (
@@ -45,9 +45,8 @@ from nemo_checkpointless.restart.faults import fire_faults, slow_delay
 from nemo_checkpointless.state.hashing import DataDigest, state_digest
 from nemo_checkpointless.topology import rank_info
 
-
-def data_key(step: int, rank: int) -> str:
-    return f"data/{step}/{rank}"
+LIGHTNING_ONLY_FAULTS = ("bitflip", "nan", "nan_batch", "corrupt_restore")
+NEMO_FAULTS = set(FAULT_KINDS) - set(LIGHTNING_ONLY_FAULTS)
 
 
 class CheckpointlessCallback(pl.Callback):
@@ -66,6 +65,12 @@ class CheckpointlessCallback(pl.Callback):
         if fault_plan is None and os.environ.get(FAULT_PLAN_ENV):
             fault_plan = [FaultSpec(**spec) for spec in json.loads(os.environ[FAULT_PLAN_ENV])]
         self.fault_plan = list(fault_plan or [])
+        for i, spec in enumerate(self.fault_plan):
+            if spec.kind in LIGHTNING_ONLY_FAULTS:
+                raise ConfigError(f"fault.plan[{i}].kind", spec.kind,
+                                  "is injected by the Lightning engine's strategy (the replicas' integrity check and "
+                                  "the NaN guard run there); the NeMo engine does not run them in this release",
+                                  f"use one of the other kinds with NeMo ({', '.join(sorted(NEMO_FAULTS))})")
         self.summary_timeout_s = summary_timeout_s
 
     @staticmethod
@@ -115,9 +120,6 @@ class CheckpointlessCallback(pl.Callback):
                   f"(of which groups {t.get('groups', 0.0):.2f} s), first step {time.time() - t['train_start']:.2f} s",
                   flush=True)
             strategy.reentry = {}
-        digest = take_step_digest()
-        if digest is not None:
-            session.store.set(data_key(step, session.env.rank), digest.hex())
         session.stamps.stamp(step)
         session.beacon.mark(step, progress.BATCH_END)
         loader = getattr(getattr(trainer, "datamodule", None), "loader", None)
@@ -158,7 +160,13 @@ class CheckpointlessCallback(pl.Callback):
                           if rank_info(session.dims, r).instance == 0})
         finals = [f"final/{step}/{r}" for r in leaders]  # one per TP/PP slice, in rank order
         steps = [data_key(s, r) for s in range(1, step + 1) for r in range(world)]
-        store.wait(finals + steps, datetime.timedelta(seconds=self.summary_timeout_s))
+        try:
+            store.wait(finals + steps, datetime.timedelta(seconds=self.summary_timeout_s))
+        except RuntimeError:  # the store's wait timeout; not a peer's failure (nothing to recover at the end)
+            missing = [k for k in finals + steps if not store.check([k])]
+            raise SummaryError(f"rank 0: training ended at step {step} but {len(missing)} record(s) of the "
+                               f"job's summary are missing after {self.summary_timeout_s:.0f} s: "
+                               f"{', '.join(missing[:8])}") from None
         state = hashlib.sha256("|".join(store.get(k).decode() for k in finals).encode()).hexdigest()
         data = DataDigest()
         for s in range(1, step + 1):

@@ -315,6 +315,20 @@ class RecordingIterator:
         return batch
 
 
+def data_key(step: int, rank: int) -> str:
+    """The store key of rank `rank`'s data digest of step `step` (rank 0 combines them into `data_sha256`)."""
+    return f"data/{step}/{rank}"
+
+
+def publish_step_digest(store: Any, step: int, rank: int) -> None:
+    """Once the step's micro-batches are consumed and before its optimizer step: this rank's data digest of step
+    `step` goes to the store. Written before the step can complete anywhere, so that a rank that dies after it
+    completed has always left it; one that dies before leaves it to its replacement, which writes the same."""
+    digest = take_step_digest()
+    if digest is not None:
+        store.set(data_key(step, rank), digest.hex())
+
+
 def take_step_digest() -> bytes | None:
     """The digest of the micro-batches consumed since the last call (one: its hash; several: the hash of their
     hashes, in order); None if none was."""

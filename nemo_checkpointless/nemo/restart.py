@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
-from nemo_checkpointless.errors import ConfigError
+from nemo_checkpointless.errors import ConfigError, SummaryError
 from nemo_checkpointless.nemo.adapter import MegatronParticipant, distributed_optimizers
 from nemo_checkpointless.protocol import SPARE_ID_ENV
 from nemo_checkpointless.restart.faults import InjectedFault
@@ -95,7 +95,7 @@ class InProcessLauncher(_Launcher):
             try:
                 with watch:
                     return function(*args, **kwargs)
-            except (InjectedFault, ConfigError):  # this rank's own failure (or a user's error): not a peer's
+            except (InjectedFault, ConfigError, SummaryError):  # this rank's own failure, a user's error: no peer's
                 raise
             except Exception as e:  # a peer failed (a gloo error, or the timeout of a collective it never joined)
                 t = time.time()

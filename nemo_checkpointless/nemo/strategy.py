@@ -42,7 +42,7 @@ from typing_extensions import override  # noqa: E402
 
 from nemo_checkpointless.errors import ConfigError  # noqa: E402
 from nemo_checkpointless.nemo.adapter import MegatronParticipant  # noqa: E402
-from nemo_checkpointless.nemo.data import RecordingIterator  # noqa: E402
+from nemo_checkpointless.nemo.data import RecordingIterator, publish_step_digest  # noqa: E402
 from nemo_checkpointless.nemo.restart import NEMO_DEFAULT_SEED, InProcessLauncher  # noqa: E402
 from nemo_checkpointless.protocol import LAYOUT_ENV, NUM_INSTANCES_ENV, STORE_PORT_ENV  # noqa: E402
 from nemo_checkpointless.restart import progress  # noqa: E402
@@ -329,6 +329,8 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self._mark(step + 1, progress.FORWARD)
         # Each micro-batch the step consumes is hashed as Megatron's schedule draws it (the data record).
         out = super().training_step(RecordingIterator(dataloader_iter), *args, **kwargs)
+        if self._session is not None:
+            publish_step_digest(self._session.store, step + 1, self._session.env.rank)
         self._mark(step + 1, progress.BACKWARD_DONE)
         return out
 

@@ -112,8 +112,13 @@ class ShardedOptimizer:
         return _FlatGroup(params, offsets, flat, nn.Parameter(flat[lo : lo + shard_len]), lo, lo + shard_len)
 
     # ----------------------------------------------------------------------------------------------- a step
-    def reduce_gradients(self, side_channel: torch.Tensor | None = None) -> torch.Tensor | None:
+    def reduce_gradients(self, side_channel: torch.Tensor | None = None,
+                         local_norm_at: int | None = None) -> torch.Tensor | None:
         """Phase 1+2 (collective over DP): average the gradients, clip them. Returns the summed side channel.
+
+        With `local_norm_at`, the 2-norm of this rank's own gradients (before the all-reduce) is written at that
+        index of the side channel, whose other ranks leave it 0: the sum tells every rank each rank's norm, exactly
+        (x + 0 = x), so a non-finite contribution is attributed without another collective.
 
         The parameters' own `.grad` are kept until the all-reduce succeeds, so a failed step can be retried with
         the gradients this rank already computed.
@@ -132,6 +137,8 @@ class ShardedOptimizer:
             tail.copy_(side_channel)
         else:
             tail.zero_()
+        if local_norm_at is not None:
+            tail[local_norm_at] = torch.linalg.vector_norm(self.flat_grad[:off])
         self._dp_group().all_reduce(self.flat_grad)
         for p in self.parameters():
             p.grad = None
@@ -169,11 +176,25 @@ class ShardedOptimizer:
         """One whole step (all DP ranks call it). Retry-safe from phase 0 only."""
         assert self.phase == 0, f"a step cannot be retried from phase {self.phase}"
         summed = self.reduce_gradients(side_channel)
+        self.apply()
+        return summed
+
+    def apply(self) -> None:
+        """Phases 3+4 after `reduce_gradients`: update this rank's shard, gather the parameters; the step is done."""
+        assert self.phase == 1, f"no reduced gradients to apply (phase {self.phase})"
         self.update_shard()
         self.gather_params()
         self.completed_steps += 1
         self.phase = 0
-        return summed
+
+    def discard(self, count_step: bool) -> None:
+        """After `reduce_gradients`: drop the reduced gradients, the shard and its state untouched (a step to run
+        again, or one skipped). `count_step`: the step counts as done (a skipped batch: the data moves on)."""
+        assert self.phase == 1, f"no reduced gradients to discard (phase {self.phase})"
+        self.flat_grad.zero_()
+        if count_step:
+            self.completed_steps += 1
+        self.phase = 0
 
     # ------------------------------------------------------------------------------------------- state views
     def shard_state(self) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nemo_checkpointless.protocol import injected_key
+from nemo_checkpointless.protocol import corrupt_restore_key, injected_key
 
 
 class InjectedFault(RuntimeError):
@@ -69,7 +69,8 @@ def _run_out_of_memory(rank: int, step: int) -> None:
 
 
 def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: Callable[[], None],
-                grow: Callable[[int], None] | None = None, bitflip: Callable[[], None] | None = None) -> None:
+                grow: Callable[[int], None] | None = None, bitflip: Callable[[str], None] | None = None,
+                nan: Callable[[int, bool], None] | None = None) -> None:
     """Fire the faults of `plan` (`FaultSpec`s) that name `rank` at 1-based `step`: `kill` (SIGKILL), `hang`
     (SIGSTOP), `spin` (a Python loop that never ends), `stall` (sleeps forever: idle, it never reaches the step's
     collectives), `gil` (blocks in a native call that holds the GIL: libc `pause` through `ctypes.PyDLL`),
@@ -80,9 +81,12 @@ def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: 
     exit status 0, `os._exit(0)`, before its training ended: a fault, not a success), `slow` (from this step on,
     sleeps `SLOW_S` more at every step's start, in `slow_delay()`, which the callbacks call: a straggler, reported,
     never replaced), `corrupt` (calls `corrupt()`: the next state this rank sends is damaged), `bitflip` (calls
-    `bitflip()`: one bit of this rank's optimizer shard flipped in memory, silently; the integrity check must catch
-    it), `grow` (calls `grow(step)`: a shrunk world grows back after this step, waiting for a spare if none is
-    ready; not a fault, a test's way to fix the step) or `exception` (raises `InjectedFault`)."""
+    `bitflip(target)`: one bit of this rank's optimizer shard, or of a parameter, flipped in memory, silently; the
+    integrity check must catch it), `nan` / `nan_batch` (calls `nan(step, persistent)`: a gradient element of this
+    step made NaN, once / every time the step is computed), `corrupt_restore` (counts one more damaged restore for
+    this rank in the store, `corrupt_restore_key`: the next state a process restores as this rank, after its
+    checksum passed), `grow` (calls `grow(step)`: a shrunk world grows back after this step, waiting for a spare if
+    none is ready; not a fault, a test's way to fix the step) or `exception` (raises `InjectedFault`)."""
     global _slow_s
     for i, spec in enumerate(plan):
         if spec.rank != rank or spec.step != step or store.check([injected_key(i)]):
@@ -123,7 +127,12 @@ def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: 
             corrupt()
         elif spec.kind == "bitflip":
             if bitflip is not None:
-                bitflip()
+                bitflip(getattr(spec, "target", "") or "shard")
+        elif spec.kind in ("nan", "nan_batch"):
+            if nan is not None:
+                nan(step, spec.kind == "nan_batch")
+        elif spec.kind == "corrupt_restore":
+            store.add(corrupt_restore_key(rank), 1)
         elif spec.kind == "grow":
             if grow is not None:
                 grow(step)

@@ -12,19 +12,36 @@ all-gathered (16 bytes a rank), and the same verdict is reached everywhere (`sta
 
 Each check that found something is one record (`records`): step, kind, ranks, digests, decision, what was
 repaired or rolled back to. The number of checks and their cost are counted.
+
+Every restore is verified before the first step trains on it (`IntegrityCheck.verify_restore`): after a p2p
+recovery, each replaced rank's digests must equal its source's; after any restore (p2p or checkpoint), the copies
+of every shard and every rank's parameters must agree and be finite. A restore that fails rolls back to the newest
+checkpoint at or before the last verified step; a second failed restore in a row stops the job with the story
+(`stop_job`) instead of looping.
+
+Non-finite gradients (`NanGuard`): each rank's own gradient norm rides in the gradient all-reduce's side channel,
+so every rank knows whose contribution is not finite before any update. The step is run again from its boundary
+(same RNG, same batches); a NaN that does not come back was transient (the rank is suspect: a strike, fenced after
+`fence_after`); one that does comes from the batch, and `nan_policy` applies: `stop` the job naming the batch's
+samples, or `skip` the batch (no update; the data moves on) with a record.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
+import math
 import os
 import signal
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 
+from nemo_checkpointless.protocol import STOP_KEY, samples_key
 from nemo_checkpointless.restart.groups import PeerFailure
 from nemo_checkpointless.restart.recovery import Decision, Participant, RecoveryEngine, RestartFromCheckpoint
 from nemo_checkpointless.state.integrity import judge
@@ -40,6 +57,33 @@ class Checked(Participant, Protocol):
         ...
 
 
+STOPPED_EXIT_CODE = 3  # a job the ranks stopped on purpose (`stop_job`)
+
+
+def stop_job(store: Any, rank: int, message: str | None, exit_code: int = STOPPED_EXIT_CODE,
+             wait_s: float = 30.0) -> NoReturn:
+    """End this rank's process and the job on purpose: the story goes to the launcher (`STOP_KEY`), which ends
+    the job with it instead of replacing the ranks that left. Every rank that reached the same verdict calls it;
+    one that does not hold the story (`message` None: another rank knows the batch) first waits up to `wait_s` for
+    it to be told, so that the launcher never takes its exit for a fault."""
+    if message is not None:
+        store.set(STOP_KEY, json.dumps({"rank": rank, "message": message, "exit_code": exit_code}))
+    else:
+        deadline = time.monotonic() + wait_s
+        while not store.check([STOP_KEY]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not store.check([STOP_KEY]):
+            message = "another rank was to stop the job and did not say why"
+            store.set(STOP_KEY, json.dumps({"rank": rank, "message": message, "exit_code": exit_code}))
+    print(f"[rank {rank}] stopping the job: {message or json.loads(store.get(STOP_KEY))['message']}", flush=True)
+    os._exit(exit_code)
+
+
+def _fence(rank: int, why: str) -> None:
+    print(f"[rank {rank}] {why}: fenced, its process ends and a spare takes its place", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 @dataclass
 class IntegrityCheck:
     engine: RecoveryEngine
@@ -53,6 +97,7 @@ class IntegrityCheck:
     last_verified: int = 0
     records: list[dict[str, Any]] = field(default_factory=list)
     strikes: dict[int, int] = field(default_factory=dict)  # rank -> times its copy was found bad
+    failed_restores: int = 0  # restores in a row that failed `verify_restore`
     # After a recovery: the boundary at which every rank checks, the end of the first step trained after it (the
     # same on survivors, which may be in the middle of that step, and on the ranks that joined)
     pending: int | None = None
@@ -102,10 +147,8 @@ class IntegrityCheck:
                 for r in verdict.bad:
                     self.strikes[r] = self.strikes.get(r, 0) + 1
                 if me in verdict.bad and self.strikes[me] >= self.fence_after:
-                    print(f"[rank {me}] integrity: this rank's copy was found bad {self.strikes[me]} times "
-                          f"(integrity.fence_after={self.fence_after}): fenced, its process ends and a spare "
-                          "takes its place", flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    _fence(me, f"integrity: this rank's copy was found bad {self.strikes[me]} times "
+                               f"(integrity.fence_after={self.fence_after})")
                 return "repair"
             record["decision"] = "rollback"
             record["reason"] += "; the repair failed its checksum"
@@ -119,6 +162,66 @@ class IntegrityCheck:
                                              f"the last verified state (step {target})"), membership.generation,
                                     recovery=False)
 
+    def verify_restore(self, participant: Checked, step: int, sources: Mapping[int, int], how: str) -> None:
+        """After a restore at boundary `step` (`how`: "p2p" with `sources`, replaced rank -> the rank it received
+        from; "checkpoint"), before the first step trains on it; every rank of the world calls it. Returns when the
+        restored state agrees with its sources and its replicas and is finite; else raises `RestartFromCheckpoint`
+        (the newest checkpoint at or before the last verified step), or stops the job (`stop_job`) when the restore
+        before this one failed too."""
+        t0 = time.perf_counter()
+        membership = self.engine.membership
+        world = membership.world()
+        params, shard, finite = participant.integrity_digests()
+        outs = [torch.empty(5, dtype=torch.int64) for _ in range(world.size)]
+        mine = [params, shard, int(finite), self.last_verified, self.failed_restores]
+        world.all_gather(outs, torch.tensor(mine, dtype=torch.int64))
+        by_rank = dict(zip(world.ranks, (o.tolist() for o in outs), strict=True))
+        self.last_verified = max(v[3] for v in by_rank.values())
+        failed_before = max(v[4] for v in by_rank.values())
+        problems: list[str] = []
+        bad: set[int] = set()
+        # The verdict is the replicas' (`judge`, the same on every rank); the sources known here only name who
+        # sent what (a rank that kept its own state does not know them).
+        for dst, src in sorted(sources.items()):
+            what = [name for name, i in (("parameters", 0), ("optimizer shard", 1))
+                    if by_rank[dst][i] != by_rank[src][i]]
+            if what:
+                bad.add(dst)
+                problems.append(f"rank {dst}'s restored {' and '.join(what)} differ from its source rank {src}'s")
+        verdict = judge({r: v[0] for r, v in by_rank.items()}, {r: v[1] for r, v in by_rank.items()},
+                        replica_groups(self.dims), {r: bool(v[2]) for r, v in by_rank.items()})
+        if verdict.action != "ok":
+            bad.update(verdict.bad)
+            problems.append(verdict.reason)
+        self.check_s += time.perf_counter() - t0
+        if not problems:
+            self.failed_restores = 0
+            self.last_verified = max(self.last_verified, step)
+            return
+        self.failed_restores = failed_before + 1
+        me = membership.rank
+        # With the periodic check on, every checkpoint is written once the replicas agreed (the last verified step
+        # is at or after it); with it off, a checkpoint is as good as its checksums.
+        bound = min(self.last_verified, step) if self.every_n_steps else step
+        target = self.engine.checkpoints.latest(bound) if self.engine.checkpoints is not None else 0
+        story = (f"the {how} restore at step {step} failed its verification: {'; '.join(problems)}")
+        record: dict[str, Any] = {"step": step, "kind": "restore_mismatch", "source": how, "ranks": sorted(bad),
+                                  "digests": {str(r): [f"{v[0]:08x}", f"{v[1]:08x}"] for r, v in by_rank.items()},
+                                  "reason": story}
+        if failed_before:
+            record["decision"] = "stop"
+            self.records.append(record)
+            stop_job(membership.store, me, f"{story}; the restore before it failed too, so the job stops instead "
+                                           "of looping. Check the ranks named (memory, the node) and the "
+                                           "checkpoint, then restart the job from the checkpoint")
+        record.update(decision="rollback", rolled_back_to=target)
+        self.records.append(record)
+        log.warning("rank %d: %s; rolling back to step %d", me, story, target)
+        self.last_verified = target
+        raise RestartFromCheckpoint(Decision("checkpoint", target, tuple(sorted(bad)), {},
+                                             f"{story}; rolling back to the last verified state (step {target})"),
+                                    membership.generation, recovery=False)
+
     def summary(self) -> dict[str, Any]:
         return {"every_n_steps": self.every_n_steps, "checks": self.checks, "check_s": round(self.check_s, 4),
                 "digest_s": round(self.digest_s, 4), "bytes_digested": self.bytes_digested,
@@ -126,4 +229,73 @@ class IntegrityCheck:
                 "records": self.records}
 
 
-__all__ = ["Checked", "IntegrityCheck", "PeerFailure"]
+@dataclass
+class NanGuard:
+    """The verdict on one step's gradients from every rank's own gradient norm (see the module doc). `judge` is
+    called by every rank with the same norms (they come from the gradient all-reduce), so every rank reaches the
+    same verdict: "ok" (apply the step), "rerun" (discard it and run it again from its boundary), "skip" (discard
+    it, count it as done: the batch is dropped). A reproduced NaN under policy `stop` ends the job (`stop_job`)."""
+
+    store: Any
+    rank: int
+    policy: str = "stop"
+    fence_after: int = 2
+    records: list[dict[str, Any]] = field(default_factory=list)
+    strikes: dict[int, int] = field(default_factory=dict)  # rank -> transient non-finite gradients it gave
+    _first: tuple[int, list[int]] | None = None  # (step, ranks) of the step's first, non-finite attempt
+
+    def judge(self, step: int, norms: Mapping[int, float], samples: Callable[[], Any]) -> str:
+        """`norms`: rank -> its own gradient norm this step; `samples()`: what this rank trained on in the step
+        (sample ids per micro-batch), asked only when a record needs it."""
+        sick = sorted(r for r, n in norms.items() if not math.isfinite(n))
+        first, self._first = self._first, None
+        if first is None or first[0] != step:
+            if not sick:
+                return "ok"
+            log.warning("rank %d: step %d: non-finite gradient from rank(s) %s; running the step again",
+                        self.rank, step, sick)
+            self._first = (step, sick)
+            return "rerun"
+        record: dict[str, Any] = {"step": step, "kind": "nonfinite_gradient", "ranks": first[1],
+                                  "norms": {str(r): norms[r] if math.isfinite(norms[r]) else str(norms[r])
+                                            for r in first[1]}}
+        if not sick:  # it did not come back: the rank(s), not the batch (silent corruption, a flaky device)
+            record.update(reproduced=False, decision="rerun")
+            for r in first[1]:
+                self.strikes[r] = self.strikes.get(r, 0) + 1
+            record["strikes"] = {str(r): self.strikes[r] for r in first[1]}
+            self.records.append(record)
+            print(f"[rank {self.rank}] integrity: step {step}: the non-finite gradient of rank(s) {first[1]} did not "
+                  "come back when the step ran again: the rank(s) are suspect, not the batch", flush=True)
+            if self.strikes.get(self.rank, 0) >= self.fence_after:
+                _fence(self.rank, f"integrity: this rank gave a non-finite gradient that did not reproduce "
+                                  f"{self.strikes[self.rank]} times (integrity.fence_after={self.fence_after})")
+            return "ok"
+        record.update(reproduced=True, ranks=sick, decision=self.policy)
+        # Each rank it came from tells what it trained on; every rank's record gets it (rank 0 writes the summary).
+        if self.rank in sick:
+            self.store.set(samples_key(step, self.rank), json.dumps(samples()))
+        record["samples"] = {}
+        for r in sick:
+            try:
+                self.store.wait([samples_key(step, r)], datetime.timedelta(seconds=30))
+                record["samples"][str(r)] = json.loads(self.store.get(samples_key(step, r)))
+            except RuntimeError:  # that rank died meanwhile: the record says so
+                record["samples"][str(r)] = None
+        self.records.append(record)
+        story = (f"step {step}: the gradient of rank(s) {sick} is not finite, and again when the step ran again "
+                 "with the same batch: the batch gives it")
+        if self.policy == "stop":  # the first rank it came from tells the story; the others wait for it
+            named = "; ".join(f"rank {r}: {json.dumps(v)}" for r, v in record["samples"].items())
+            stop_job(self.store, self.rank, f"{story} ({named}). integrity.nan_policy=stop: fix or drop those "
+                                            "samples, or use --nan-policy skip, and restart from the checkpoint"
+                     if self.rank == sick[0] else None)
+        print(f"[rank {self.rank}] integrity: {story}; integrity.nan_policy=skip: the step's update is dropped and "
+              "the data moves on", flush=True)
+        return "skip"
+
+    def summary(self) -> list[dict[str, Any]]:
+        return self.records
+
+
+__all__ = ["STOPPED_EXIT_CODE", "Checked", "IntegrityCheck", "NanGuard", "PeerFailure", "stop_job"]

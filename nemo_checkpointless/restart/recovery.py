@@ -30,7 +30,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,6 +43,7 @@ from nemo_checkpointless.protocol import (
     LAUNCHER_PID_ENV,
     STEP_TIMES_KEY,
     GenerationInfo,
+    corrupt_restore_key,
     generation_info_key,
     record_key,
     regroup_key,
@@ -201,6 +202,9 @@ class RecoveryEngine:
         self.extra_patience_s = 0.0
         # Fault injection (fault.plan kind=corrupt): damage the next state sent, after its checksum is taken.
         self.corrupt_next_send = False
+        # Fault injection (kind=corrupt_restore): how the participant damages its state in memory (a flipped bit);
+        # applied after a restore while the rank's counter in the store says so.
+        self.damage: Callable[[], None] | None = None
 
     @property
     def store(self) -> dist.Store:
@@ -357,7 +361,18 @@ class RecoveryEngine:
                     ok = False
                     continue
                 participant.load_state(tensors, meta)
+                self._maybe_damage_restored()
         return ok
+
+    def _maybe_damage_restored(self) -> None:
+        """Fault plan kind `corrupt_restore`: damage the state this rank just restored, after its checksum passed."""
+        key = corrupt_restore_key(self.membership.rank)
+        if self.damage is None or not self.store.check([key]) or self.store.add(key, 0) <= 0:
+            return
+        self.store.add(key, -1)
+        log.warning("rank %d: injected fault: corrupt_restore (the state just restored is damaged)",
+                    self.membership.rank)
+        self.damage()
 
     def load_checkpoint(self, participant: Participant, step: int) -> None:
         """Load this rank's shard of checkpoint `step` (0: nothing to load, the seeded initial state stands)."""
@@ -365,3 +380,4 @@ class RecoveryEngine:
             return
         assert self.checkpoints is not None
         participant.load_state(*self.checkpoints.load_rank_state(step, self.checkpoint_slot))
+        self._maybe_damage_restored()
