@@ -83,8 +83,9 @@ def test_killed_at_a_random_moment_ends_equal_and_survivors_keep_their_pids(refe
                                                                             tmp_path: Path) -> None:
     seed = int(os.environ.get("NCL_TEST_SEED", time.time_ns() % 1_000_000))
     rng = random.Random(seed)
-    # At most STEPS - 5 steps and 0.5 s: the kill lands inside training, whose last 5 steps take longer than that.
-    victim, after_step, delay = rng.randrange(4), rng.randrange(2, STEPS - 4), rng.uniform(0.0, 0.5)
+    # After at most step STEPS - 6 and 0.25 s: the kill lands inside training, whose last 6 steps take longer than
+    # that (about 0.1 s a step here; in 0.5 s after step 5 of 12, a kill could land past the last step).
+    victim, after_step, delay = rng.randrange(4), rng.randrange(2, STEPS - 5), rng.uniform(0.0, 0.25)
     print(f"NCL_TEST_SEED={seed}: SIGKILL rank {victim} {delay:.2f} s after every rank completed step {after_step}")
     run_dir = tmp_path / "killed"
     proc = _launch(run_dir, "--spares", "1", script_args=("--mmap",))

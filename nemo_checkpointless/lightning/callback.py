@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from nemo_checkpointless.config import FaultSpec
+from nemo_checkpointless.errors import SummaryError
 from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy
 from nemo_checkpointless.protocol import (
     FAULT_PLAN_ENV,
@@ -22,7 +23,7 @@ from nemo_checkpointless.protocol import (
     mark_process_training,
     write_worker_summary,
 )
-from nemo_checkpointless.restart import progress
+from nemo_checkpointless.restart import PeerFailure, progress
 from nemo_checkpointless.restart.faults import fire_faults, slow_delay
 from nemo_checkpointless.state.hashing import batch_hash
 
@@ -85,17 +86,33 @@ class CheckpointlessCallback(Callback):
         strategy.record_batch_hash(batch_hash(batch))
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = self._strategy(trainer)
+        done = strategy.sharded.completed_steps if strategy.sharded is not None else 0
+        if trainer.max_steps > 0 and done >= trainer.max_steps:
+            # Joined (or rolled back) at the last step's boundary: Lightning skips its loop, on_train_end with it;
+            # this rank still ends the training with the others (their end-of-training barrier, the digests).
+            self._t_start, self._start_step = time.perf_counter(), done
+            self.on_train_end(trainer, pl_module)
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = self._strategy(trainer)
+        strategy.end_of_training_barrier()
         train_s = time.perf_counter() - self._t_start
-        digest = strategy.full_state_digest()
+        try:
+            digest = strategy.full_state_digest()
+        except PeerFailure as e:  # after the barrier every rank has trained every step: nothing is left to recover
+            raise SummaryError(f"rank {strategy.global_rank}: a peer failed after training ended on every rank, "
+                               f"while the final digests were taken ({e}); the training itself completed") from None
         store = strategy.membership.store
         if not strategy.is_lead:  # rank 0, or the lowest rank of a shrunk world without it
             store.set(finished_key(os.getpid()), "1")
             return
-        steps = trainer.global_step - self._start_step
+        final = strategy.sharded.completed_steps if strategy.sharded is not None else trainer.global_step
+        steps = final - self._start_step
         summary = {
-            "final_step": trainer.global_step,
+            "final_step": final,
             "train_s": round(train_s, 3),
             "steps_per_s": round(steps / train_s, 3) if train_s > 0 else None,
             "state_sha256": digest,

@@ -279,6 +279,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self.nan_guard: NanGuard | None = None  # non-finite gradients (built with the session)
         self._poison: dict[int, bool] = {}  # fault plan kinds nan / nan_batch: step -> persistent
         self._flip_param_at_step_end = False  # fault plan kind bitflip, target param
+        self._entered_at = -1  # the boundary this fit started at, after a join or a restore (-1: a fresh start)
         self._cached: Any = None  # the CachedTrainLoader of the current fit
         env = os.environ
         if protocol.SPARE_ID_ENV in env:
@@ -462,6 +463,9 @@ class CheckpointlessStrategy(ParallelStrategy):
             step = 0
         self.sharded.completed_steps = step
         self.session.position.step = step
+        # A fit entered at a boundary the survivors may already have passed (a replacement) checks nothing there:
+        # the ranks that were there did, and the restore itself is verified below.
+        self._entered_at = step if self.join.kind != "fresh" else -1
         self._in_step = False
         self._step_calls = []
         self._loops_resumed = False
@@ -659,7 +663,8 @@ class CheckpointlessStrategy(ParallelStrategy):
             raise _Regroup()  # caught by the launcher: every rank of the shrunk world leaves `fit` here
         every = self.session.checkpoint_every
         checkpoint_due = bool(every and step and step % every == 0)
-        self._check_integrity(step, checkpoint_due)  # a checkpoint is written only once the replicas agree
+        if step != self._entered_at:  # the boundary a (re)entered fit starts at was checked by the ranks there
+            self._check_integrity(step, checkpoint_due)  # a checkpoint is written only once the replicas agree
         if (checkpoint_due and self.info.instance == self._writer_instance
                 and self.session.checkpoints is not None):
             self.session.beacon.mark(step, progress.CHECKPOINT)
@@ -900,6 +905,18 @@ class CheckpointlessStrategy(ParallelStrategy):
         self.session.stamps.stamp(self.sharded.completed_steps)
         beacon.mark(self.sharded.completed_steps, progress.STEP_DONE)
         return result
+
+    def end_of_training_barrier(self) -> None:
+        """No rank leaves training before every rank has completed the last step: a rank lost in it is recovered
+        while its peers (its replica among them, which may have finished) are all still here. Recovered like a
+        step's collective; a fallback to the checkpoint leaves `fit` (`RestartFromCheckpoint`) and trains again."""
+        self._boundary = capture_rng()  # after the last step: the boundary a replacement would receive
+        while True:
+            try:
+                self.membership.world().all_reduce(torch.zeros(1))
+                return
+            except PeerFailure as failure:
+                self._recover(failure)
 
     def _in_flight_step(self) -> int:
         assert self.sharded is not None

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from typing_extensions import override
 
 from nemo_checkpointless.config import FAULT_KINDS, FaultSpec
@@ -136,6 +137,9 @@ class CheckpointlessCallback(pl.Callback):
         rank, world, store = session.env.rank, session.env.world_size, session.store
         part = strategy.participant
         assert part is not None
+        # No rank leaves before every rank has completed the last step: a rank lost in it is recovered with its
+        # peers (its replica among them) still here. A failure raises out of `fit`, which recovers and re-enters.
+        session.membership.world().all_reduce(torch.zeros(1))
         part.at_step_boundary(step)
         tensors, _ = part.boundary_state()
         params = state_digest({k: v for k, v in tensors.items() if k.startswith("model.")}, {})
@@ -143,7 +147,11 @@ class CheckpointlessCallback(pl.Callback):
         # The slice's state whole (a collective over the ranks of this instance that hold the same TP/PP slice),
         # whatever the number of optimizer instances.
         info = rank_info(session.dims, rank)
-        whole = slice_digest(part, strategy.optimizers[0], session.membership.group("digest", info.shard_group))
+        try:
+            whole = slice_digest(part, strategy.optimizers[0], session.membership.group("digest", info.shard_group))
+        except RuntimeError as e:  # after the barrier every rank has trained every step: nothing left to recover
+            raise SummaryError(f"rank {rank}: a peer failed after training ended on every rank, while the final "
+                               f"digests were taken ({str(e)[:200]}); the training itself completed") from None
         if info.instance == 0 and info.shard_group[0] == rank:
             store.set(f"final/{step}/{rank}", whole)
         record = {"rank": rank, "pid": os.getpid(), "step": step, "params_sha256": params, "shard_sha256": shard,
