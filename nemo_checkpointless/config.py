@@ -252,6 +252,11 @@ class FaultSpec:
     step: int = 1
     target: str = ""
 
+    def as_dict(self) -> dict[str, Any]:
+        """As the launcher passes it to the ranks (`NCL_FAULT_PLAN`): `target` only where one is given."""
+        return {"kind": self.kind, "rank": self.rank, "step": self.step, **({"target": self.target} if self.target
+                                                                             else {})}
+
 
 @dataclass
 class IntegrityConfig:

@@ -11,6 +11,9 @@ Per round, interleaved: the job with the check every --every steps (the default 
                   for the slowest rank the next collective would otherwise absorb) / train time x 100
   digest_pct      the digests' own time (integrity.digest_s) / train time x 100: the direct cost
   digest_gb_per_s bytes digested per second of digest (parameters + shard), and a CRC-32 of one 256 MB buffer
+  nan_guard_pct   the NaN guard's own cost, always on (integrity.nan_guard_s: rank 0's gradient norm, every
+                  step) / train time x 100; its other cost, one float a rank more in the gradient all-reduce, is
+                  inside both runs' train times
 
     python scripts/bench_integrity.py --rounds 3 --out docs/bench_integrity_<date>.json
 """
@@ -69,6 +72,7 @@ def main() -> None:
                "checks": integ["checks"], "check_s": integ["check_s"],
                "check_pct": round(integ["check_s"] / on["train_s"] * 100, 3),
                "digest_pct": round(integ["digest_s"] / on["train_s"] * 100, 3),
+               "nan_guard_pct": round(off["integrity"]["nan_guard_s"] / off["train_s"] * 100, 3),
                "digest_gb_per_s": integ["digest_gb_per_s"], "bytes_per_check": integ["bytes_digested"] // max(
                    1, integ["checks"]), "equal": on["state_sha256"] == off["state_sha256"]}
         rows.append(row)
@@ -77,6 +81,7 @@ def main() -> None:
            "overhead_pct_median": statistics.median(r["overhead_pct"] for r in rows),
            "check_pct_median": statistics.median(r["check_pct"] for r in rows),
            "digest_pct_median": statistics.median(r["digest_pct"] for r in rows),
+           "nan_guard_pct_median": statistics.median(r["nan_guard_pct"] for r in rows),
            "digest_gb_per_s_median": statistics.median(r["digest_gb_per_s"] for r in rows),
            "crc32_256mb_gb_per_s": round(raw_gbps, 3)}
     print(json.dumps({k: v for k, v in out.items() if k != "rounds"}, indent=1))

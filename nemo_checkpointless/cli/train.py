@@ -180,7 +180,7 @@ def describe_script_launch(cfg: Config) -> str:
               "launcher.max_restarts": lc.max_restarts,
               "launcher.on_failure": lc.on_failure, "launcher.host": lc.host, "launcher.preload": list(lc.preload),
               "checkpoint.every_n_steps": cfg.checkpoint.every_n_steps, "checkpoint.dir": cfg.checkpoint.dir,
-              "fault.plan": [vars(f) for f in cfg.fault.plan], "run.dir": cfg.run.dir}
+              "fault.plan": [f.as_dict() for f in cfg.fault.plan], "run.dir": cfg.run.dir}
     view = {"recipe": cfg.recipe_name, "engine": cfg.engine, "script": cfg.script,
             "script_args": list(cfg.script_args), "command": command, "launch": launch,
             "environment": script_environment(cfg, command), "not_passed": list(NOT_PASSED_TO_SCRIPT)}

@@ -252,7 +252,7 @@ class _Job:
             for name, key, _ in protocol.LAYOUT_ENV:
                 env[name] = str(getattr(self.cfg.parallel, key.split(".")[1]))
         if self.cfg.fault.plan:
-            env[protocol.FAULT_PLAN_ENV] = json.dumps([vars(f) for f in self.cfg.fault.plan])
+            env[protocol.FAULT_PLAN_ENV] = json.dumps([f.as_dict() for f in self.cfg.fault.plan])
         error_file = self.run_dir / "logs" / f"error_rank{rank}.{len(self.pids.get(rank, []))}.json"
         env.update(ROLE_RANK=str(rank), TORCHELASTIC_ERROR_FILE=str(error_file))
         return env

@@ -118,7 +118,7 @@ class CheckpointlessCallback(Callback):
             "state_sha256": digest,
             "data_sha256": strategy.data_digest.hexdigest,
             "data_steps": strategy.data_digest.steps,
-            "integrity": strategy.integrity.summary() if strategy.integrity is not None else None,
+            "integrity": strategy.integrity_summary(),
             "train_end_t": time.time(),
         }
         write_worker_summary(self.run_dir, summary)

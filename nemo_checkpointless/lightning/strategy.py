@@ -694,6 +694,15 @@ class CheckpointlessStrategy(ParallelStrategy):
             self._rng_to_restore = None
             self._boundary = capture_rng()
 
+    def integrity_summary(self) -> dict[str, Any] | None:
+        """`summary.json["integrity"]`: the checks (`IntegrityCheck.summary`, whose records include the NaN
+        guard's) and the NaN guard's own cost on this rank (its gradient norm, every step)."""
+        if self.integrity is None:
+            return None
+        out = self.integrity.summary()
+        out["nan_guard_s"] = round(self.sharded.local_norm_s, 4) if self.sharded is not None else None
+        return out
+
     def integrity_digests(self) -> tuple[int, int, bool]:
         from nemo_checkpointless.state.integrity import crc
 

@@ -18,6 +18,7 @@ The update is elementwise, so results do not depend on N: N=1, 2 and DP give bit
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -80,6 +81,7 @@ class ShardedOptimizer:
         self.grad_clip = grad_clip
         self.side_channel_numel = side_channel_numel
         self.completed_steps = 0
+        self.local_norm_s = 0.0  # time spent on this rank's own gradient norm (`local_norm_at`)
         # How far the step in flight got: 0 before the gradient all-reduce completed, 1 after it, 2 after the
         # shard update. The recovery protocol reads it: only phase 0 can be retried from a replica.
         self.phase = 0
@@ -138,7 +140,9 @@ class ShardedOptimizer:
         else:
             tail.zero_()
         if local_norm_at is not None:
+            t0 = time.perf_counter()
             tail[local_norm_at] = torch.linalg.vector_norm(self.flat_grad[:off])
+            self.local_norm_s += time.perf_counter() - t0
         self._dp_group().all_reduce(self.flat_grad)
         for p in self.parameters():
             p.grad = None
