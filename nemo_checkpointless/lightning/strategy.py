@@ -47,7 +47,7 @@ from nemo_checkpointless.restart import Membership, PeerFailure, progress
 from nemo_checkpointless.restart.integrity import IntegrityCheck, NanGuard
 from nemo_checkpointless.restart.recovery import Decision, Parked, Reshape, RestartFromCheckpoint
 from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
-from nemo_checkpointless.restart.worker_env import die_by_signal
+from nemo_checkpointless.restart.worker_env import die_by_signal, freeze_heap
 from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
 from nemo_checkpointless.state.rng import capture_rng, restore_rng
 from nemo_checkpointless.topology import ParallelDims, rank_info
@@ -96,6 +96,7 @@ class _InProcessLauncher(_Launcher):
     def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None,
                **kwargs: Any) -> Any:
         strategy = self.strategy
+        freeze_heap()  # once per process: what the script built before fit stays out of later collections
         strategy.ensure_session()
         rank = strategy.session.env.rank
         while True:

@@ -32,7 +32,7 @@ from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy
 from nemo_checkpointless.protocol import RUN_DIR_ENV, SPARE_ID_ENV
 from nemo_checkpointless.restart.session import Session
 from nemo_checkpointless.restart.template import warm_up_at_idle_priority
-from nemo_checkpointless.restart.worker_env import preload, run_worker
+from nemo_checkpointless.restart.worker_env import freeze_heap, preload, run_worker
 from nemo_checkpointless.topology import rank_info
 
 
@@ -176,6 +176,7 @@ def spare_template() -> Callable[[], None]:
     prepared = _prepare(os.environ[RUN_DIR_ENV])
     warm_up(prepared.cfg)
     prepared.warm = True
+    freeze_heap()  # what every spare shares stays out of its collections (and its pages are not copied by them)
     return lambda: run(prepared)
 
 

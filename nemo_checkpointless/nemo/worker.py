@@ -28,7 +28,7 @@ import torch
 from nemo_checkpointless.config import Config, load_run_config
 from nemo_checkpointless.protocol import START_TIMEOUT_ENV
 from nemo_checkpointless.restart.template import warm_up_at_idle_priority
-from nemo_checkpointless.restart.worker_env import ENV_PREFIX, SPARE_ID_ENV, preload, run_worker
+from nemo_checkpointless.restart.worker_env import ENV_PREFIX, SPARE_ID_ENV, freeze_heap, preload, run_worker
 
 
 # ------------------------------------------------------------------------------------------------- building
@@ -179,8 +179,6 @@ def spare_template() -> Callable[[], None]:
     here runs the returned function. The warm-up's threads are ended first, for the fork: its private groups are
     destroyed (`warm_up` drops megatron's handles) and tqdm's monitor thread is stopped (tqdm starts another when
     it needs one)."""
-    from nemo_checkpointless.nemo.restart import freeze_heap
-
     run_dir = Path(os.environ[f"{ENV_PREFIX}RUN_DIR"])
     cfg, tokens = _prepare(run_dir)
     warm_up(cfg, run_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
@@ -14,7 +15,26 @@ from typing import Any, NoReturn
 from nemo_checkpointless.protocol import ENV_PREFIX, LAUNCHER_PID_ENV, SPARE_ID_ENV, local_addr
 from nemo_checkpointless.restart.groups import Membership, connect_store
 
-__all__ = ["ENV_PREFIX", "LAUNCHER_PID_ENV", "SPARE_ID_ENV", "WorkerEnv", "die_by_signal", "preload", "run_worker"]
+__all__ = ["ENV_PREFIX", "LAUNCHER_PID_ENV", "SPARE_ID_ENV", "WorkerEnv", "die_by_signal", "freeze_heap", "preload",
+           "run_worker"]
+
+_HEAP_FROZEN_BY = 0  # the process that froze its heap (a fork freezes its own once more)
+
+
+def freeze_heap() -> None:
+    """Once per process (a spare forked from a frozen template freezes what it built since): collect, then keep
+    every object that exists now (the imports, the user's model, trainer and loaders, built before `fit`) out of
+    every later collection. Python's full collection walks the whole heap: 0.15 s on a training rank's here
+    (measured), a stall at a random step, more likely after a recovery (its garbage pushes the collector past its
+    threshold) and on a rank started for it (a whole heap of imports, never collected). A collection then walks
+    only what was made since; a spare forked from a template also stops copying the template's pages by touching
+    their objects."""
+    global _HEAP_FROZEN_BY
+    if os.getpid() == _HEAP_FROZEN_BY:
+        return
+    gc.collect()
+    gc.freeze()
+    _HEAP_FROZEN_BY = os.getpid()
 
 
 @dataclass(frozen=True)
