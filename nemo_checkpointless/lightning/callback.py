@@ -51,6 +51,7 @@ class CheckpointlessCallback(Callback):
         self.fault_plan = list(fault_plan or [])
         self._t_start = 0.0
         self._start_step = 0
+        self._ended = False  # this fit's training was ended (from on_fit_start, or on_train_end)
 
     def _strategy(self, trainer: pl.Trainer) -> CheckpointlessStrategy:
         if not isinstance(trainer.strategy, CheckpointlessStrategy):
@@ -88,6 +89,7 @@ class CheckpointlessCallback(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = self._strategy(trainer)
+        self._ended = False
         done = strategy.sharded.completed_steps if strategy.sharded is not None else 0
         if trainer.max_steps > 0 and done >= trainer.max_steps:
             # Joined (or rolled back) at the last step's boundary: Lightning skips its loop, on_train_end with it;
@@ -98,6 +100,9 @@ class CheckpointlessCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = self._strategy(trainer)
+        if self._ended:  # ended from on_fit_start: a loop that found its counters only then ran anyway
+            return
+        self._ended = True
         strategy.end_of_training_barrier()
         train_s = time.perf_counter() - self._t_start
         try:
