@@ -15,6 +15,10 @@ from nemo_checkpointless.errors import ConfigError
 FAULT_KINDS = ("kill", "exception", "corrupt", "hang", "spin", "stall", "gil", "grow", "bitflip", "segfault",
                "abort", "sigterm", "oom", "exit0", "slow", "nan", "nan_batch", "corrupt_restore")
 BITFLIP_TARGETS = ("shard", "param")  # fault kind bitflip: the optimizer shard's first state tensor, or a parameter
+# fault kind kill: at the step's start (no target), or `gather`: after the step's gradient all-reduce, as the rank
+# enters its optimizer instance's parameter all-gather (its instance partners are left a step behind the others)
+KILL_TARGETS = ("gather",)
+FAULT_TARGETS = {"bitflip": BITFLIP_TARGETS, "kill": KILL_TARGETS}
 NAN_POLICIES = ("stop", "skip")
 ENGINES = ("lightning", "nemo")
 PRECISIONS = ("32-true", "bf16-mixed")
@@ -244,8 +248,9 @@ class FaultSpec:
     gradient element of the rank made NaN in that step, once: a transient fault), `nan_batch` (the same, every
     time the rank computes that step: a batch that gives NaN); `corrupt_restore` (the next state the rank restores,
     from a peer or the checkpoint, is damaged after its checksum passed; given twice, the next two); or `grow` (not
-    a fault: a shrunk world grows back after that step, `replication.shrink`). `target` is for `bitflip` only:
-    `shard` (default: the rank's optimizer shard) or `param` (its copy of a parameter outside its shard)."""
+    a fault: a shrunk world grows back after that step, `replication.shrink`). `target`: for `bitflip`,
+    `shard` (default: the rank's optimizer shard) or `param` (its copy of a parameter outside its shard); for `kill`,
+    `gather` (killed after the step's gradient all-reduce, as it enters its instance's parameter all-gather)."""
 
     kind: str = "kill"
     rank: int = 0
@@ -422,12 +427,17 @@ class Config:
             if not 0 <= spec.rank < world:
                 raise ConfigError(f"fault.plan[{i}].rank", spec.rank, f"must name a rank in 0..{world - 1}",
                                   f"the job has {world} ranks (trainer.devices x trainer.num_nodes)")
-            if spec.target and (spec.kind != "bitflip" or spec.target not in BITFLIP_TARGETS):
+            targets = FAULT_TARGETS.get(spec.kind, ())
+            if spec.target and spec.target not in targets:
                 raise ConfigError(f"fault.plan[{i}].target", spec.target,
-                                  f"names the tensor a bitflip hits: one of {', '.join(BITFLIP_TARGETS)}; "
-                                  f"kind {spec.kind} takes none" if spec.kind != "bitflip" else
-                                  f"must be one of {', '.join(BITFLIP_TARGETS)}",
-                                  "e.g. bitflip:1:9:param, or drop the target")
+                                  f"must be one of {', '.join(targets)}" if targets else
+                                  f"kind {spec.kind} takes none (bitflip: {', '.join(BITFLIP_TARGETS)}; kill: "
+                                  f"{', '.join(KILL_TARGETS)})",
+                                  "e.g. bitflip:1:9:param, kill:1:9:gather, or drop the target")
+            if spec.target == "gather" and self.engine != "lightning":
+                raise ConfigError(f"fault.plan[{i}].target", spec.target,
+                                  f"is built for engine=lightning; this recipe has engine={self.engine}",
+                                  "drop the target (a kill at the step's start)")
             # A user's script runs its own number of steps (trainer.max_steps is not passed to it).
             last = self.trainer.max_steps if self.script is None else None
             if not 1 <= spec.step <= (last or spec.step):

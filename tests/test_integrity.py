@@ -236,8 +236,8 @@ def test_bad_nan_and_bitflip_settings_say_so() -> None:
     for args, message in ((("--nan-policy", "ignore"), "integrity.nan_policy=ignore: must be one of stop, skip"),
                           (("--fault", "bitflip:1:3:moments"), "fault.plan[0].target=moments: must be one of shard, "
                                                                "param"),
-                          (("--fault", "kill:1:3:param"), "fault.plan[0].target=param: names the tensor a bitflip "
-                                                          "hits")):
+                          (("--fault", "kill:1:3:param"), "fault.plan[0].target=param: must be one of gather"),
+                          (("--fault", "hang:1:3:param"), "fault.plan[0].target=param: kind hang takes none")):
         proc = subprocess.run([sys.executable, "-m", "nemo_checkpointless.cli.run", "--nproc-per-node", "4", *args,
                                str(SCRIPT)], env=child_env(), cwd=ROOT, capture_output=True, timeout=TIMEOUT_S,
                               check=False)

@@ -75,6 +75,23 @@ def test_kill_every_rank_in_turn_recovers_p2p_from_a_replica(workdir: Path, refe
         assert len(summary["pids"][str(rank)]) == 2  # each rank replaced exactly once, the others kept theirs
 
 
+def test_a_rank_lost_in_its_instances_all_gather_rolls_its_partner_forward(
+        workdir: Path, reference: dict[str, Any]) -> None:
+    """Rank 1 SIGKILLed after step 7's gradient all-reduce, as it enters its instance's parameter all-gather: its
+    partner rank 0 holds its own updated shard of step 7 but not rank 1's, while ranks 2 and 3 completed step 7.
+    Rank 0 completes step 7 from rank 2's parameters, the spare becomes rank 1 at step 7, nobody goes back a
+    step. The same for rank 2 at step 16 (its partner rank 3 rolled forward from rank 1)."""
+    summary = run_job(workdir, "kill-in-gather", "replication.num_instances=2", "replication.spares=1",
+                      "fault.plan=[{kind:kill,rank:1,step:7,target:gather},{kind:kill,rank:2,step:16,target:gather}]")
+    assert_equal_to(reference, summary)
+    recs = summary["recoveries"]
+    brief = json.dumps(recs, indent=1)
+    assert [(r["failed_ranks"], r["step"], r["resumed_from_step"], r.get("rolled_forward")) for r in recs] == [
+        ([1], 7, 7, [0]), ([2], 16, 16, [3])], brief
+    assert all(r["path"] == "p2p" and r["steps_lost"] == 0 for r in recs), brief
+    assert_healthy_kept_pids(summary)
+
+
 def test_both_replicas_lost_falls_back_to_checkpoint_then_exception_recovers_p2p(
         workdir: Path, reference: dict[str, Any]) -> None:
     """Ranks 1 and 3 hold the same shard (N=2): losing both at step 12 leaves no replica -> checkpoint of step 10.

@@ -15,7 +15,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from nemo_checkpointless.restart.recovery import REPLACEMENT, SURVIVOR, decide
+from nemo_checkpointless.restart.recovery import GATHERING, REPLACEMENT, SURVIVOR, decide
 from nemo_checkpointless.state.checkpoint import CheckpointStore
 from nemo_checkpointless.state.packing import PackError, checksum, pack, unpack
 from nemo_checkpointless.topology import ParallelDims
@@ -56,6 +56,25 @@ def test_both_replicas_lost_falls_back(tmp_path: Path) -> None:
 def test_disagreeing_replicas_are_never_used(reports: list[list[int]]) -> None:
     d = decide(DIMS, reports, None)
     assert d.path == "checkpoint" and d.step == 0 and "disagrees" in d.reason
+
+
+def test_a_survivor_left_in_the_parameter_all_gather_is_rolled_forward() -> None:
+    # Rank 1 lost after step 12's gradient all-reduce: its partner rank 0 updated its shard and waits in the
+    # instance's all-gather (11, GATHERING); instance 1 (ranks 2, 3) completed step 12.
+    reports = [report(SURVIVOR, 11, GATHERING), report(REPLACEMENT, -1), report(SURVIVOR, 12), report(SURVIVOR, 12)]
+    d = decide(DIMS, reports, None, roll_forward=True)
+    assert (d.path, d.step, d.replaced, d.rolled_forward, d.sources) == ("p2p", 12, (1,), (0,), {0: 2, 1: 3}), d
+    assert "complete that step from a replica" in d.reason
+    # A participant that cannot roll forward, a survivor behind that is not gathering, or two steps behind: the
+    # checkpoint, at the step the furthest-behind survivor completed.
+    for roll, behind in ((False, report(SURVIVOR, 11, GATHERING)), (True, report(SURVIVOR, 11, 1)),
+                         (True, report(SURVIVOR, 10, GATHERING))):
+        d = decide(DIMS, [behind, *reports[1:]], None, roll_forward=roll)
+        assert d.path == "checkpoint" and d.rolled_forward == () and "disagrees" in d.reason, d
+    # Both copies of shard 0 unavailable at step 12 (rank 2 lost too): no replica to roll rank 0 forward from.
+    d = decide(DIMS, [reports[0], report(REPLACEMENT, -1), report(REPLACEMENT, -1), report(SURVIVOR, 12)], None,
+               roll_forward=True)
+    assert d.path == "checkpoint" and "one step behind" in d.reason, d
 
 
 def test_single_instance_has_no_replica() -> None:

@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="restart_all: restart every rank on a failure (the baseline a job restart gives)")
     ours.add_argument("--fault", action="append", default=[], metavar="KIND:RANK:STEP",
                       help="inject a fault (tests, benchmarks): kill, segfault, abort, sigterm, oom, exit0, "
-                           "exception, hang, spin, stall, gil, slow, corrupt, bitflip or grow")
+                           "exception, hang, spin, stall, gil, slow, corrupt, bitflip or grow; KIND:RANK:STEP:TARGET "
+                           "for bitflip (shard, param) and kill (gather: after the step's gradient all-reduce)")
     ours.add_argument("--straggler-factor", "--straggler_factor", type=float, default=1.5, metavar="F",
                       help="report a rank whose own work per step takes F x the other ranks' (never replaced; "
                            "0: off)")
@@ -142,8 +143,8 @@ def _fault_plan(specs: list[str]) -> list[dict[str, Any]]:
     for spec in specs:
         parts = spec.split(":")
         if len(parts) not in (3, 4) or not parts[1].isdigit() or not parts[2].isdigit():
-            raise ConfigError("--fault", spec, "must be KIND:RANK:STEP (bitflip: KIND:RANK:STEP[:TARGET])",
-                              "e.g. --fault kill:1:20, --fault bitflip:1:9:param")
+            raise ConfigError("--fault", spec, "must be KIND:RANK:STEP[:TARGET] (a target for bitflip and kill)",
+                              "e.g. --fault kill:1:20, --fault kill:1:20:gather, --fault bitflip:1:9:param")
         out.append({"kind": parts[0], "rank": int(parts[1]), "step": int(parts[2]),
                     **({"target": parts[3]} if len(parts) == 4 else {})})
     return out

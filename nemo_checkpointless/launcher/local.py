@@ -616,6 +616,7 @@ class _Job:
             if in_flight is None and completed is not None:
                 in_flight = completed + 1
             t0 = fault["fault_t"]
+            rolled: list[int] = next((r["rolled_forward"] for r in recs.values() if r.get("rolled_forward")), [])
 
             def elapsed(ts: list[dict[str, Any]], t0: float = t0, world: int = world) -> float | None:
                 return round(max(s["t"] for s in ts) - t0, 4) if len(ts) == world else None
@@ -630,9 +631,12 @@ class _Job:
                 "state_restored_s": round(max(r["decided_t"] for r in recs.values()) - t0, 4) if recs else None,
                 "recover_s": elapsed(stamps["first_step"]),
                 "back_at_fault_step_s": elapsed(stamps["caught_up"]),
-                "steps_lost": (in_flight - 1 - step) if in_flight is not None and step is not None else None,
+                # A step completed by rolling survivors forward (`restart.recovery`) resumes at the fault step itself.
+                "steps_lost": max(0, in_flight - 1 - step) if in_flight is not None and step is not None else None,
                 "bytes_received": sum(r["bytes_received"] for r in recs.values()),
                 "reason": next((r["reason"] for r in recs.values()), ""),
+                # Survivors that completed the fault step from a replica's parameters (`restart.recovery`)
+                **({"rolled_forward": rolled} if rolled else {}),
                 "exit_codes": fault["exit_codes"],
                 "replacement": fault["replacement"],
                 **({"hang": fault["hang"]} if fault.get("hang") else {}),  # why the watchdog declared it hung

@@ -73,7 +73,8 @@ class CheckpointlessCallback(Callback):
             strategy.session.engine.corrupt_next_send = True
 
         fire_faults(self.fault_plan, strategy.global_rank, step, strategy.membership.store, corrupt,
-                    grow=strategy._grow_at.add, bitflip=strategy.flip_bit, nan=strategy.poison_gradient)
+                    grow=strategy._grow_at.add, bitflip=strategy.flip_bit, nan=strategy.poison_gradient,
+                    gather=strategy._kill_at_gather.add)
         slow_delay()  # a `slow` fault that fired: this rank is a straggler from then on
 
     @override

@@ -28,6 +28,7 @@ import itertools
 import json
 import math
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,7 +46,7 @@ from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.replication import ShardedOptimizer
 from nemo_checkpointless.restart import Membership, PeerFailure, progress
 from nemo_checkpointless.restart.integrity import IntegrityCheck, NanGuard
-from nemo_checkpointless.restart.recovery import Decision, Parked, Reshape, RestartFromCheckpoint
+from nemo_checkpointless.restart.recovery import GATHERING, Decision, Parked, Reshape, RestartFromCheckpoint
 from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
 from nemo_checkpointless.restart.worker_env import die_by_signal, freeze_heap
 from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
@@ -280,6 +281,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self.nan_guard: NanGuard | None = None  # non-finite gradients (built with the session)
         self._poison: dict[int, bool] = {}  # fault plan kinds nan / nan_batch: step -> persistent
         self._flip_param_at_step_end = False  # fault plan kind bitflip, target param
+        self._kill_at_gather: set[int] = set()  # fault plan kind kill, target gather: the steps
         self._entered_at = -1  # the boundary this fit started at, after a join or a restore (-1: a fresh start)
         self._cached: Any = None  # the CachedTrainLoader of the current fit
         env = os.environ
@@ -892,6 +894,10 @@ class CheckpointlessStrategy(ParallelStrategy):
                 if verdict == "skip":
                     self.sharded.discard(count_step=True)
                 else:
+                    if step in self._kill_at_gather:
+                        print(f"[rank {self.global_rank}] killed after the gradient all-reduce of step {step}",
+                              flush=True)
+                        os.kill(os.getpid(), signal.SIGKILL)
                     self.sharded.apply()
                 break
             except PeerFailure as failure:
@@ -899,6 +905,9 @@ class CheckpointlessStrategy(ParallelStrategy):
                 # is retried from its gradient all-reduce with the gradients this rank already holds.
                 replay = replay or self._step_collectives > 0
                 self._recover(failure)
+                if self.sharded.completed_steps == step:  # rolled forward: completed from a replica (`finish_step`)
+                    break
+        assert summed is not None  # the step's gradient all-reduce completed (a step is never done without it)
         if self._flip_param_at_step_end:  # fault plan kind bitflip, target param
             self._flip_param_at_step_end = False
             g = self.sharded.groups[0]
@@ -935,7 +944,20 @@ class CheckpointlessStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------- the recovery engine's view
     def progress(self) -> tuple[int, int]:
         assert self.sharded is not None
-        return self.sharded.completed_steps, self.sharded.phase
+        phase = self.sharded.phase  # 2: this rank's shard is updated, its instance's all-gather in flight
+        return self.sharded.completed_steps, GATHERING if phase == 2 else phase
+
+    rolls_forward = True
+
+    def finish_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """The step in flight completed from a replica's parameters: this rank's instance lost a partner in the
+        parameter all-gather, after this rank had updated its own shard (which the replica's equals; the
+        integrity check compares them after the recovery). Its RNG, schedule and data are already the step's."""
+        assert self.sharded is not None
+        if meta["step"] != self.sharded.completed_steps + 1:
+            raise ValueError(f"parameters of step {meta['step']} offered to finish step "
+                             f"{self.sharded.completed_steps + 1}")
+        self.sharded.complete_from([tensors[f"param.group{i}"] for i in range(len(self.sharded.groups))])
 
     def data_digest_hex(self) -> str:
         return self.data_digest.hexdigest

@@ -170,6 +170,13 @@ class MegatronParticipant:
         }
         return tensors, json.loads(json.dumps(meta))
 
+    # Megatron's step is not split where a lost partner would leave this rank one step behind with its own shard
+    # updated: such survivors go to the checkpoint (`restart.recovery`).
+    rolls_forward = False
+
+    def finish_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        raise RuntimeError("the NeMo engine does not roll a survivor forward")
+
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Overwrite this rank's params, shard, optimizer state, counters and (at the next boundary) RNG.
 

@@ -404,6 +404,11 @@ class ReceivedState:
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         self.state = (tensors, meta)
 
+    rolls_forward = False  # as `MegatronParticipant`: every rank of a job decides alike
+
+    def finish_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        raise RuntimeError("a replacement has no step in flight")
+
 
 class FaultWatch:
     """While `fit` runs: when the launcher declares this generation failed (`FAULT_KEY`), make every collective

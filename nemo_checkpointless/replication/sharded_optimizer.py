@@ -191,6 +191,15 @@ class ShardedOptimizer:
         self.completed_steps += 1
         self.phase = 0
 
+    def complete_from(self, flats: list[torch.Tensor]) -> None:
+        """After `update_shard`, when the instance's parameter all-gather failed (a partner was lost): the step's
+        full parameters, one flat tensor per group, from a replica that completed the step; the step is done."""
+        assert self.phase == 2, f"no updated shard waiting for its parameters (phase {self.phase})"
+        for g, flat in zip(self.groups, flats, strict=True):
+            g.flat.copy_(flat)
+        self.completed_steps += 1
+        self.phase = 0
+
     def discard(self, count_step: bool) -> None:
         """After `reduce_gradients`: drop the reduced gradients, the shard and its state untouched (a step to run
         again, or one skipped). `count_step`: the step counts as done (a skipped batch: the data moves on)."""

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.protocol import corrupt_restore_key, injected_key
 
 
@@ -70,8 +71,10 @@ def _run_out_of_memory(rank: int, step: int) -> None:
 
 def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: Callable[[], None],
                 grow: Callable[[int], None] | None = None, bitflip: Callable[[str], None] | None = None,
-                nan: Callable[[int, bool], None] | None = None) -> None:
-    """Fire the faults of `plan` (`FaultSpec`s) that name `rank` at 1-based `step`: `kill` (SIGKILL), `hang`
+                nan: Callable[[int, bool], None] | None = None, gather: Callable[[int], None] | None = None
+                ) -> None:
+    """Fire the faults of `plan` (`FaultSpec`s) that name `rank` at 1-based `step`: `kill` (SIGKILL; with target
+    `gather`, calls `gather(step)`: the participant kills itself after the step's gradient all-reduce), `hang`
     (SIGSTOP), `spin` (a Python loop that never ends), `stall` (sleeps forever: idle, it never reaches the step's
     collectives), `gil` (blocks in a native call that holds the GIL: libc `pause` through `ctypes.PyDLL`),
     `segfault` (a real segmentation fault in native code: `ctypes.string_at(0)` reads address 0; SIGSEGV),
@@ -93,7 +96,13 @@ def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: 
             continue
         store.set(injected_key(i), json.dumps({"t": time.time(), "kind": spec.kind, "rank": rank, "step": step}))
         print(f"[rank {rank}] injected fault: {spec.kind} at step {step}", flush=True)
-        if spec.kind == "kill":
+        if spec.kind == "kill" and getattr(spec, "target", "") == "gather":
+            if gather is None:
+                raise ConfigError(f"fault.plan kill:{rank}:{step}:gather", "gather",
+                                  "is built for the Lightning engine's CheckpointlessStrategy",
+                                  "drop the target (a kill at the step's start)")
+            gather(step)
+        elif spec.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)

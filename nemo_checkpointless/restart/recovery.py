@@ -21,7 +21,12 @@ from `regroup`, at a step boundary the shrunk world agreed on.
 
 A p2p recovery requires every survivor to be at the same step boundary R (completed R steps, the gradient
 all-reduce of step R+1 not yet done on any rank) with the same data digest: a replica whose step disagrees is
-never used. Anything else (e.g. a crash in the middle of the parameter all-gather) goes to the checkpoint.
+never used. One exception, for a participant that can finish a step from a replica's parameters
+(`Participant.rolls_forward`): a rank lost after the gradient all-reduce of step R and before its optimizer
+instance's parameter all-gather leaves its instance partners one step behind, their own shards already updated
+for step R (`GATHERING`), while the other instances completed step R. Those partners are rolled forward: each
+receives the parameters of step R from a replica at R (`Participant.finish_step`), so nobody goes back a step.
+Anything else (survivors further apart, or a participant that cannot) goes to the checkpoint.
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ from nemo_checkpointless.topology import ParallelDims, plan_recovery, rank_info
 log = logging.getLogger(__name__)
 
 SURVIVOR, REPLACEMENT = 0, 1
+# The phase a participant reports when its own shard is updated for the step in flight and it waits for its
+# optimizer instance's parameter all-gather (0: the step's gradient all-reduce has not completed).
+GATHERING = 2
 _REPORT = 5  # role, completed steps, phase, steps in the data digest (= completed steps), data digest prefix
 
 
@@ -115,6 +123,15 @@ class Participant(Protocol):
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None: ...
 
+    # Whether a survivor left `GATHERING` by a lost instance partner can complete its step from a replica's
+    # parameters (`finish_step`); the same on every rank of a job.
+    rolls_forward: bool
+
+    def finish_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Complete the step in flight from `boundary_state()` of a replica that completed it: its parameters only
+        (this rank's own shard, RNG, schedule and data are already those of the step)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -123,6 +140,7 @@ class Decision:
     replaced: tuple[int, ...]
     sources: dict[int, int] = field(default_factory=dict)
     reason: str = ""
+    rolled_forward: tuple[int, ...] = ()  # survivors that complete step `step` from a replica (`finish_step`)
 
 
 class Reshape(Exception):  # a control-flow signal, not an error
@@ -158,9 +176,10 @@ class RestartFromCheckpoint(Exception):  # a control-flow signal, not an error
 
 
 def decide(dims: ParallelDims, reports: Sequence[Sequence[int]], checkpoints: CheckpointStore | None,
-           ranks: Sequence[int] | None = None) -> Decision:
+           ranks: Sequence[int] | None = None, roll_forward: bool = False) -> Decision:
     """The recovery decision from every rank's report (identical on every rank: a pure function). `reports[i]`
-    is the report of global rank `ranks[i]` (default: rank i)."""
+    is the report of global rank `ranks[i]` (default: rank i). `roll_forward`: survivors one step behind, in
+    `GATHERING`, may complete that step from a replica (see the module's docstring)."""
     ranks = list(range(len(reports))) if ranks is None else list(ranks)
     by_rank = dict(zip(ranks, reports, strict=True))
     replaced = tuple(r for r, rep in by_rank.items() if rep[0] == REPLACEMENT)
@@ -168,16 +187,26 @@ def decide(dims: ParallelDims, reports: Sequence[Sequence[int]], checkpoints: Ch
     if not survivors:
         return _fallback(replaced, 0, checkpoints, "no rank survived")
     step = max(by_rank[r][1] for r in survivors)
-    digest = {(by_rank[r][3], by_rank[r][4]) for r in survivors if by_rank[r][1] == step}
-    bad = [r for r in survivors if by_rank[r][1] != step or by_rank[r][2] != 0 or len(digest) != 1]
+    at_step = [r for r in survivors if by_rank[r][1] == step and by_rank[r][2] == 0]
+    behind = [r for r in survivors if roll_forward and at_step and by_rank[r][1] == step - 1
+              and by_rank[r][2] == GATHERING]
+    digest = {(by_rank[r][3], by_rank[r][4]) for r in at_step}
+    bad = [r for r in survivors if r not in at_step and r not in behind] if len(digest) == 1 else survivors
     if bad:
         return _fallback(replaced, min(by_rank[r][1] for r in survivors), checkpoints,
                          f"survivors {bad} are not at the common step boundary {step} (a replica whose step "
                          "disagrees is never used)")
-    plan = plan_recovery(dims, replaced)
+    plan = plan_recovery(dims, (*replaced, *behind))
     if not plan.recoverable:
+        if behind:
+            return _fallback(replaced, step - 1, checkpoints, f"survivors {behind} are one step behind the others "
+                             f"and {plan.reason}")
         return _fallback(replaced, step, checkpoints, plan.reason)
-    return Decision("p2p", step, replaced, dict(plan.sources), "every lost shard has a live replica")
+    reason = "every lost shard has a live replica"
+    if behind:
+        reason += (f"; survivors {behind} lost an instance partner in step {step}'s parameter all-gather and "
+                   "complete that step from a replica")
+    return Decision("p2p", step, replaced, dict(plan.sources), reason, tuple(behind))
 
 
 def _fallback(replaced: tuple[int, ...], step: int, checkpoints: CheckpointStore | None, why: str) -> Decision:
@@ -291,7 +320,8 @@ class RecoveryEngine:
                 continue
             record.update(role="survivor" if role == SURVIVOR else "replacement", path=decision.path,
                           completed=participant.progress()[0] if role == SURVIVOR else None,
-                          step=decision.step, replaced=list(decision.replaced), decided_t=time.time(),
+                          step=decision.step, replaced=list(decision.replaced),
+                          rolled_forward=list(decision.rolled_forward), decided_t=time.time(),
                           bytes_received=self.bytes_received, reason=decision.reason)
             self.store.set(record_key(generation, self.membership.rank), json.dumps(record))
             if role == SURVIVOR and decision.path == "checkpoint":
@@ -307,7 +337,8 @@ class RecoveryEngine:
         mine = torch.tensor([role, done, phase, done, int(digest[:15], 16)], dtype=torch.int64)
         reports = [torch.empty(_REPORT, dtype=torch.int64) for _ in range(world.size)]
         world.all_gather(reports, mine)
-        decision = decide(self.dims, [r.tolist() for r in reports], self.checkpoints, world.ranks)
+        decision = decide(self.dims, [r.tolist() for r in reports], self.checkpoints, world.ranks,
+                          roll_forward=participant.rolls_forward)
         ok = True
         self.bytes_received = 0
         if decision.path == "p2p":
@@ -360,7 +391,10 @@ class RecoveryEngine:
                     log.error("rank %d: state from rank %d is malformed: %s", me, src, e)
                     ok = False
                     continue
-                participant.load_state(tensors, meta)
+                if me in decision.rolled_forward:
+                    participant.finish_step(tensors, meta)
+                else:
+                    participant.load_state(tensors, meta)
                 self._maybe_damage_restored()
         return ok
 
