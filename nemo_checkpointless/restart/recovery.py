@@ -196,7 +196,8 @@ def decide(dims: ParallelDims, reports: Sequence[Sequence[int]], checkpoints: Ch
         return _fallback(replaced, min(by_rank[r][1] for r in survivors), checkpoints,
                          f"survivors {bad} are not at the common step boundary {step} (a replica whose step "
                          "disagrees is never used)")
-    plan = plan_recovery(dims, (*replaced, *behind))
+    absent = [r for r in range(dims.world_size) if r not in by_rank]  # not in this world (a shrunk one)
+    plan = plan_recovery(dims, (*replaced, *behind), exclude=absent)
     if not plan.recoverable:
         if behind:
             return _fallback(replaced, step - 1, checkpoints, f"survivors {behind} are one step behind the others "
