@@ -246,8 +246,9 @@ class _Job:
             env[protocol.CHECKPOINT_DIR_ENV] = self.cfg.checkpoint.dir
         if self.cfg.data.cache_root:
             env[protocol.CACHE_ROOT_ENV] = self.cfg.data.cache_root
-        if self.cfg.replication.num_instances > 1 or self.cfg.script is not None:
-            env[protocol.NUM_INSTANCES_ENV] = str(self.cfg.replication.num_instances)
+        # Always: a strategy built without num_instances takes this (1 too: `checkpointless-run --num-instances 1`
+        # was once dropped here, and the strategy's default of 2 trained instead).
+        env[protocol.NUM_INSTANCES_ENV] = str(self.cfg.replication.num_instances)
         if self.cfg.script is not None:  # a recipe's script= run: the recipe's layout, for the user's strategy
             for name, key, _ in protocol.LAYOUT_ENV:
                 env[name] = str(getattr(self.cfg.parallel, key.split(".")[1]))
@@ -634,6 +635,7 @@ class _Job:
                 # A step completed by rolling survivors forward (`restart.recovery`) resumes at the fault step itself.
                 "steps_lost": max(0, in_flight - 1 - step) if in_flight is not None and step is not None else None,
                 "bytes_received": sum(r["bytes_received"] for r in recs.values()),
+                "transfer_s": max((r.get("transfer_s", 0.0) for r in recs.values()), default=0.0),
                 "reason": next((r["reason"] for r in recs.values()), ""),
                 # Survivors that completed the fault step from a replica's parameters (`restart.recovery`)
                 **({"rolled_forward": rolled} if rolled else {}),
