@@ -227,6 +227,7 @@ class RecoveryEngine:
         self.verify_checksum = verify_checksum
         self.checkpoint_slot = rank_info(dims, membership.rank).checkpoint_slot
         self.bytes_received = 0
+        self.transfer_s = 0.0  # the last state this rank received: from its first byte asked to the state loaded
         # How much longer than its collective timeout the launcher may take to publish a generation (a fault that
         # waits for a starting spare before the job shrinks: replication.replacement_timeout_s).
         self.extra_patience_s = 0.0
@@ -323,7 +324,8 @@ class RecoveryEngine:
                           completed=participant.progress()[0] if role == SURVIVOR else None,
                           step=decision.step, replaced=list(decision.replaced),
                           rolled_forward=list(decision.rolled_forward), decided_t=time.time(),
-                          bytes_received=self.bytes_received, reason=decision.reason)
+                          bytes_received=self.bytes_received, transfer_s=round(self.transfer_s, 4),
+                          reason=decision.reason)
             self.store.set(record_key(generation, self.membership.rank), json.dumps(record))
             if role == SURVIVOR and decision.path == "checkpoint":
                 raise RestartFromCheckpoint(decision, generation)
@@ -341,7 +343,7 @@ class RecoveryEngine:
         decision = decide(self.dims, [r.tolist() for r in reports], self.checkpoints, world.ranks,
                           roll_forward=participant.rolls_forward)
         ok = True
-        self.bytes_received = 0
+        self.bytes_received, self.transfer_s = 0, 0.0
         if decision.path == "p2p":
             ok = self._transfer(participant, decision)
         flags = torch.tensor([0 if ok else 1], dtype=torch.int64)
@@ -376,6 +378,7 @@ class RecoveryEngine:
                 world.send(header, dst, tag=1)
                 world.send(buf, dst, tag=2)
             elif me == dst:
+                t0 = time.perf_counter()
                 header = torch.empty(5, dtype=torch.int64)
                 world.recv(header, src, tag=1)
                 buf = torch.empty(int(header[0]), dtype=torch.uint8)
@@ -396,6 +399,7 @@ class RecoveryEngine:
                     participant.finish_step(tensors, meta)
                 else:
                     participant.load_state(tensors, meta)
+                self.transfer_s = time.perf_counter() - t0  # the source's packing, the bytes, the checks, the load
                 self._maybe_damage_restored()
         return ok
 
