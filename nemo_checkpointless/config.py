@@ -363,6 +363,9 @@ class LauncherConfig:
 @dataclass
 class RunConfig:
     dir: str = "runs/${recipe_name}"
+    # Write RUN_DIR/timeline.png at the end: the steps over wall time, every fault and its recovery (matplotlib,
+    # the [bench] extra).
+    timeline: bool = False
 
 
 @dataclass
@@ -401,6 +404,12 @@ class Config:
             if not isinstance(arg, str):
                 raise ConfigError(f"script_args[{i}]", arg, "must be one argument (a string), not a list or a mapping",
                                   "quote it to pass it as written, e.g. 'script_args=[--layers,\"[1,2]\"]'")
+        if self.run.timeline:
+            import importlib.util
+
+            if importlib.util.find_spec("matplotlib") is None:
+                raise ConfigError("run.timeline", True, "draws with matplotlib, which is not installed",
+                                  "pip install '.[bench]' (or matplotlib), or drop run.timeline")
         if self.engine not in ENGINES:
             raise ConfigError("engine", self.engine, f"must be one of {', '.join(ENGINES)}",
                               "use lightning (plain PyTorch Lightning) or nemo (NeMo 2 / megatron-core)")

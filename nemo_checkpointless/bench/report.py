@@ -87,17 +87,44 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def timeline_png(results: dict[str, Any], runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    """One panel per system: rank 0's completed steps against wall time around the first fault, with the fault and
-    the moments of the recovery that its logs show."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only), or None when matplotlib is not installed."""
     try:
         import matplotlib
     except ImportError:
-        print("checkpointless-bench: no timeline.png: matplotlib is not installed (pip install '.[bench]')")
-        return
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _panel(ax: Any, points: list[tuple[float, int]], marks: dict[str, float], downtime: float | None,
+           lo: float, hi: float, title: str) -> None:
+    """One recovery: steps completed (x: seconds since the fault), the fault, the marks, the downtime."""
+    if points:
+        ax.plot([p[0] for p in points], [p[1] for p in points], ".", color="black", markersize=3,
+                label="rank 0 step done")
+    ax.axvline(0.0, color="tab:red", linewidth=2, label="fault")
+    for key, label, colour in MARKS:
+        if key in marks:
+            ax.axvline(marks[key], color=colour, linestyle="--", label=label)
+    if downtime is not None:
+        ax.axvspan(0.0, downtime, color="tab:red", alpha=0.08)
+        ax.axvline(downtime, color="black", linestyle=":", label="fault step done on every rank")
+    ax.set_xlim(lo, hi)
+    ax.set_ylabel("step")
+    ax.set_title(title, fontsize=9, loc="left")
+    ax.legend(fontsize=6, loc="upper left", ncol=4)
+
+
+def timeline_png(results: dict[str, Any], runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """One panel per system: rank 0's completed steps against wall time around the first fault, with the fault and
+    the moments of the recovery that its logs show, on one time axis."""
+    plt = _pyplot()
+    if plt is None:
+        print("checkpointless-bench: no timeline.png: matplotlib is not installed (pip install '.[bench]')")
+        return
     shown: list[tuple[str, dict[str, Any]]] = []
     for name in results["systems"]:
         first = next((r for r in runs.get(name, []) if r.get("fault")), None)
@@ -105,30 +132,53 @@ def timeline_png(results: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
             shown.append((name, first))
     if not shown:
         return
-    # One time axis for every system, so that their downtimes compare at a glance.
     lo = -2.0
     hi = max(max(r.get("downtime_s") or 0.0, *r.get("marks", {}).values(), 0.0) for _, r in shown) + 2.0
     fig, axes = plt.subplots(len(shown), 1, figsize=(10, 2.1 * len(shown)), squeeze=False, sharex=True)
     for ax, (name, run) in zip(axes[:, 0], shown, strict=True):
         fault_t = run["fault"]["t"]
-        down = run.get("downtime_s") or 0.0
         points = [(t - fault_t, s) for s, t in run["steps"] if lo <= t - fault_t <= hi]
-        if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], ".", color="black", markersize=3,
-                    label="rank 0 step done")
-        ax.axvline(0.0, color="tab:red", linewidth=2, label="SIGKILL")
-        for key, label, colour in MARKS:
-            if key in run.get("marks", {}):
-                ax.axvline(run["marks"][key], color=colour, linestyle="--", label=label)
-        if run.get("downtime_s") is not None:
-            ax.axvspan(0.0, down, color="tab:red", alpha=0.08)
-            ax.axvline(down, color="black", linestyle=":", label="fault step done on every rank")
-        ax.set_xlim(lo, hi)
-        ax.set_ylabel("step")
-        ax.set_title(f"{name}: downtime {run.get('downtime_s')} s, steps lost {run.get('steps_lost')}",
-                     fontsize=9, loc="left")
-        ax.legend(fontsize=6, loc="upper left", ncol=4)
+        _panel(ax, points, run.get("marks", {}), run.get("downtime_s"), lo, hi,
+               f"{name}: downtime {run.get('downtime_s')} s, steps lost {run.get('steps_lost')}")
     axes[-1, 0].set_xlabel("seconds since the fault")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def run_timeline_png(run_dir: Path, summary: dict[str, Any], path: Path, most: int = 4) -> bool:
+    """`checkpointless-train run.timeline=true`: the run's steps over its wall time with every fault marked, then
+    one panel per recovery (the first `most`), from `run_dir/steps.csv` and the summary. False without
+    matplotlib."""
+    import csv
+
+    plt = _pyplot()
+    if plt is None:
+        return False
+    with open(run_dir / "steps.csv") as f:
+        steps = [(int(row["step"]), float(row["last_t"])) for row in csv.DictReader(f)]
+    recoveries = [r for r in summary.get("recoveries", []) if r.get("fault_t") is not None][:most]
+    fig, axes = plt.subplots(1 + len(recoveries), 1, figsize=(10, 2.2 * (1 + len(recoveries))), squeeze=False)
+    t0 = steps[0][1] if steps else 0.0
+    whole = axes[0, 0]
+    whole.plot([t - t0 for _, t in steps], [s for s, _ in steps], ".", color="black", markersize=2)
+    for r in recoveries:
+        whole.axvline(r["fault_t"] - t0, color="tab:red", linewidth=1)
+    whole.set_xlabel("seconds since the first step")
+    whole.set_ylabel("step")
+    whole.set_title(f"{run_dir.name}: {len(summary.get('recoveries', []))} recoveries, final step "
+                    f"{summary.get('final_step')}", fontsize=9, loc="left")
+    for ax, r in zip(axes[1:, 0], recoveries, strict=True):
+        marks = {"detected": r.get("detect_s"), "state_restored": r.get("state_restored_s"),
+                 "first_step_after": r.get("recover_s")}
+        marks = {k: v for k, v in marks.items() if v is not None}
+        down = r.get("back_at_fault_step_s")
+        hi = max([down or 0.0, *marks.values()]) + 1.0
+        points = [(t - r["fault_t"], s) for s, t in steps if -1.0 <= t - r["fault_t"] <= hi]
+        _panel(ax, points, marks, down, -1.0, hi, f"{r.get('fault_kind')} of ranks {r.get('failed_ranks')} at step "
+               f"{r.get('step')}: {r.get('path')}, steps lost {r.get('steps_lost')}")
+    axes[-1, 0].set_xlabel("seconds" if not recoveries else "seconds since the fault")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

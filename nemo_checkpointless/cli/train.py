@@ -259,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     brief = {k: summary[k] for k in ("final_step", "wall_s", "steps_per_s", "state_sha256", "data_sha256")}
     print(f"checkpointless-train: done: {json.dumps(brief)}; summary in {run_dir / 'summary.json'}")
+    if cfg.run.timeline:
+        from nemo_checkpointless.bench.report import run_timeline_png
+
+        if run_timeline_png(run_dir, summary, run_dir / "timeline.png"):
+            print(f"checkpointless-train: the recovery timeline is in {run_dir / 'timeline.png'}")
     return 0
 
 

@@ -624,6 +624,7 @@ class _Job:
 
             out.append({
                 "fault_kind": fault["fault_kind"],
+                "fault_t": round(t0, 3),  # when the launcher saw the fault (time.time())
                 "failed_ranks": fault["failed_ranks"],
                 "step": in_flight,
                 "path": path,

@@ -19,8 +19,11 @@ from nemo_checkpointless.protocol import (
     FAULT_PLAN_ENV,
     RUN_DIR_ENV,
     TRAIN_START_KEY,
+    GenerationInfo,
     finished_key,
+    generation_info_key,
     mark_process_training,
+    record_key,
     write_worker_summary,
 )
 from nemo_checkpointless.restart import PeerFailure, progress
@@ -37,6 +40,11 @@ class CheckpointlessCallback(Callback):
     writes `run_dir/worker_summary.json` (what `checkpointless-run` puts in `summary.json`); `on_train_end` runs
     a collective over each optimizer instance.
 
+    Each recovery is logged through the Trainer's logger once this rank completes its first step after it:
+    `recovery/downtime_s` (the fault, as the launcher saw it, to that step), `recovery/path` (0: p2p from a
+    replica, 1: the persistent checkpoint), `recovery/bytes` (the state this rank received); the progress bar then
+    shows `recoveries` and `recovery_s` (the last one's downtime).
+
     Args:
         run_dir: where the summary goes. Default: the launcher's run directory.
         fault_plan: faults to inject (tests, benchmarks). Default: the launcher's (`checkpointless-run
@@ -52,6 +60,8 @@ class CheckpointlessCallback(Callback):
         self._t_start = 0.0
         self._start_step = 0
         self._ended = False  # this fit's training was ended (from on_fit_start, or on_train_end)
+        self._generation = 0  # the last generation (recovery) this rank logged
+        self._recoveries: list[float] = []  # the downtime of each recovery this rank logged
 
     def _strategy(self, trainer: pl.Trainer) -> CheckpointlessStrategy:
         if not isinstance(trainer.strategy, CheckpointlessStrategy):
@@ -86,6 +96,26 @@ class CheckpointlessCallback(Callback):
             strategy.session.beacon.mark(trainer.global_step + 1, progress.STEP_START)
             self._maybe_fail(strategy, trainer.global_step + 1)
         strategy.record_batch_hash(batch_hash(batch))
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        strategy = self._strategy(trainer)
+        generation = strategy.membership.generation
+        if generation > self._generation:  # the first step this rank completed after a recovery
+            self._generation = generation
+            store = strategy.membership.store
+            info_key, mine = generation_info_key(generation), record_key(generation, strategy.global_rank)
+            if store.check([info_key]) and store.check([mine]):
+                info, record = GenerationInfo.from_json(store.get(info_key)), json.loads(store.get(mine))
+                self._recoveries.append(time.time() - info.fault_t)
+                pl_module.log_dict({"recovery/downtime_s": self._recoveries[-1],
+                                    "recovery/path": 0.0 if record.get("path") == "p2p" else 1.0,
+                                    "recovery/bytes": float(record.get("bytes_received", 0))},
+                                   on_step=True, on_epoch=False, logger=True, prog_bar=False)
+        if self._recoveries:
+            pl_module.log_dict({"recoveries": float(len(self._recoveries)), "recovery_s": self._recoveries[-1]},
+                               on_step=True, on_epoch=False, logger=False, prog_bar=True)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
