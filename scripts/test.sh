@@ -4,7 +4,9 @@
 # Two virtual environments, because NeMo 2.7 pins older releases than the package's own range
 # (lightning 2.4.0, hydra-core 1.3.2, megatron-core 0.15.x; docs/design.md, "Dependencies"):
 #   .venv       the package with the newest dependencies it allows: every test (the `nemo` ones skip there)
-#   .venv-nemo  the package with the [nemo] extra: the `nemo`-marked tests (NeMo 2 + megatron-core on gloo)
+#   .venv-nemo  the package with the [nemo] and [bench] extras: the `nemo`-marked tests (NeMo 2 + megatron-core on
+#               gloo) and the `bench`-marked one (checkpointless-bench with its peers, NVRx and torchft; NeMo's own
+#               extras already pull in nvidia-resiliency-ext, whose pynvml warns at every `import torch`)
 # torch==2.13.0 goes first in each (the CPU wheel) and is held there by a constraint: a bare `torch` requirement
 # with no torch installed resolves to a multi-GB CUDA build.
 set -euo pipefail
@@ -30,5 +32,5 @@ fi
 
 python3 -m venv .venv-nemo
 .venv-nemo/bin/pip install -q "$TORCH"
-.venv-nemo/bin/pip install -q -c "$constraints" -e ".[dev,nemo]"
-.venv-nemo/bin/python -m pytest -q -m nemo
+.venv-nemo/bin/pip install -q -c "$constraints" -e ".[dev,nemo,bench]"
+.venv-nemo/bin/python -m pytest -q -m "nemo or bench"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import signal
 import threading
@@ -40,6 +41,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip_gpu)
+    if any(item.get_closest_marker("bench") for item in items):
+        absent = [m for m in ("nvidia_resiliency_ext", "torchft", "matplotlib") if importlib.util.find_spec(m) is None]
+        if absent:
+            skip_bench = pytest.mark.skip(reason=f"needs the [bench] extra ({', '.join(absent)} not installed)")
+            for item in items:
+                if item.get_closest_marker("bench"):
+                    item.add_marker(skip_bench)
     if any(item.get_closest_marker("nemo") for item in items):
         try:
             importlib.import_module("nemo")

@@ -6,6 +6,7 @@ sequence of global batches) as the fault-free run with the same seed.
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -82,7 +83,8 @@ def test_a_rank_lost_in_its_instances_all_gather_rolls_its_partner_forward(
     Rank 0 completes step 7 from rank 2's parameters, the spare becomes rank 1 at step 7, nobody goes back a
     step. The same for rank 2 at step 16 (its partner rank 3 rolled forward from rank 1)."""
     summary = run_job(workdir, "kill-in-gather", "replication.num_instances=2", "replication.spares=1",
-                      "fault.plan=[{kind:kill,rank:1,step:7,target:gather},{kind:kill,rank:2,step:16,target:gather}]")
+                      "fault.plan=[{kind:kill,rank:1,step:7,target:gather},{kind:kill,rank:2,step:16,target:gather}]",
+                      "run.timeline=true")
     assert_equal_to(reference, summary)
     recs = summary["recoveries"]
     brief = json.dumps(recs, indent=1)
@@ -90,6 +92,12 @@ def test_a_rank_lost_in_its_instances_all_gather_rolls_its_partner_forward(
         ([1], 7, 7, [0]), ([2], 16, 16, [3])], brief
     assert all(r["path"] == "p2p" and r["steps_lost"] == 0 for r in recs), brief
     assert_healthy_kept_pids(summary)
+    # Each recovery went through the Trainer's logger (rank 0's CSV), and the run drew its timeline.
+    with open(workdir / "kill-in-gather" / "logs" / "metrics_rank0" / "metrics.csv") as f:
+        logged = [row for row in csv.DictReader(f) if row.get("recovery/downtime_s")]
+    assert [(row["recovery/path"], float(row["recovery/bytes"]) > 0) for row in logged] == [("0.0", True)] * 2, logged
+    assert all(0 < float(row["recovery/downtime_s"]) < 30 for row in logged), logged
+    assert (workdir / "kill-in-gather" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_both_replicas_lost_falls_back_to_checkpoint_then_exception_recovers_p2p(

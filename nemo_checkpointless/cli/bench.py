@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=doc[0], epilog=doc[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="one fault per system, a short job, no 8-rank run (about 5 minutes on 2 cores)")
+                    help="one fault per system, a short job (about 6 minutes on 2 cores)")
     ap.add_argument("--out", default="runs/bench", help="where bench.json, bench.md and timeline.png go")
     ap.add_argument("--systems", default=",".join(s.name for s in SYSTEMS), help="comma-separated, of: "
                     + ", ".join(s.name for s in SYSTEMS))
@@ -43,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--kill-step", type=int, default=None,
                     help="rank 1 is SIGKILLed once it completed this step (default: steps // 2 + 3)")
     ap.add_argument("--ranks", type=int, default=4, help="data-parallel ranks (default 4)")
-    ap.add_argument("--scaling", default=None, help="rank counts of ours' extra faulted runs (default 2,8; "
-                    "--quick 2)")
+    ap.add_argument("--scaling", default=None, help="rank counts of ours' extra faulted runs, on a job of "
+                    "--kill-step + 15 steps (default 2,8): rto_scaling_8_over_2")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take before it is stopped")
     return ap
 
@@ -65,7 +65,7 @@ def _check(args: argparse.Namespace) -> tuple[list[str], JobSpec, int, list[int]
     if args.ranks < 2 or args.ranks % 2:
         raise ConfigError("--ranks", args.ranks, "must be even and >= 2 (ours keeps 2 optimizer instances)",
                           "use 2, 4 or 8")
-    scaling = [int(x) for x in (args.scaling or ("2" if args.quick else "2,8")).split(",") if x.strip()]
+    scaling = [int(x) for x in (args.scaling or "2,8").split(",") if x.strip()]
     for n in scaling:
         if n < 2 or n % 2:
             raise ConfigError("--scaling", n, "must list even rank counts >= 2", "e.g. --scaling 2,8")

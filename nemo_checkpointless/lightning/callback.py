@@ -42,7 +42,7 @@ class CheckpointlessCallback(Callback):
 
     Each recovery is logged through the Trainer's logger once this rank completes its first step after it:
     `recovery/downtime_s` (the fault, as the launcher saw it, to that step), `recovery/path` (0: p2p from a
-    replica, 1: the persistent checkpoint), `recovery/bytes` (the state this rank received); the progress bar then
+    replica, 1: the persistent checkpoint), `recovery/bytes` (the state its receivers got); the progress bar then
     shows `recoveries` and `recovery_s` (the last one's downtime).
 
     Args:
@@ -108,10 +108,12 @@ class CheckpointlessCallback(Callback):
             info_key, mine = generation_info_key(generation), record_key(generation, strategy.global_rank)
             if store.check([info_key]) and store.check([mine]):
                 info, record = GenerationInfo.from_json(store.get(info_key)), json.loads(store.get(mine))
+                keys = [record_key(generation, r) for r in strategy.membership.world().ranks]
+                moved = sum(json.loads(store.get(k)).get("bytes_received", 0) for k in keys if store.check([k]))
                 self._recoveries.append(time.time() - info.fault_t)
                 pl_module.log_dict({"recovery/downtime_s": self._recoveries[-1],
                                     "recovery/path": 0.0 if record.get("path") == "p2p" else 1.0,
-                                    "recovery/bytes": float(record.get("bytes_received", 0))},
+                                    "recovery/bytes": float(moved)},
                                    on_step=True, on_epoch=False, logger=True, prog_bar=False)
         if self._recoveries:
             pl_module.log_dict({"recoveries": float(len(self._recoveries)), "recovery_s": self._recoveries[-1]},
