@@ -524,10 +524,13 @@ def save_run_config(cfg: Config, run_dir: Any) -> None:
     from omegaconf import OmegaConf
 
     path = Path(run_dir) / RUN_CONFIG
-    fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # A name of this process's own: the agents of several nodes write the same shared run dir at once (the same
+    # config); with one shared temporary name one of them renamed the other's file away and failed.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
-    path.with_suffix(".tmp").replace(path)
+    tmp.replace(path)
 
 
 def load_run_config(run_dir: Any) -> Config:
