@@ -1,15 +1,20 @@
 """How the launcher reads its ranks' exits (`_Job.exit_codes`), on real processes and a real store: a rank killed
 after its training ended and its results were written (it set `finished_key`) counts as finished, not as a fault
-to recover; one killed before that is a failure."""
+to recover; one killed before that is a failure. And the priority of a spare refilled while the job trains."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
 from nemo_checkpointless.config import Config
-from nemo_checkpointless.launcher.local import _Job, _Proc, host_store
+from nemo_checkpointless.launcher.local import _Job, _Proc, host_store, start_process
+from nemo_checkpointless.launcher.procs import REFILL_NICE, may_restore_priority, restore_priority
 
 RANK = """
 import os, signal, sys, datetime
@@ -32,3 +37,31 @@ def test_a_rank_killed_after_it_finished_counts_as_finished(tmp_path: Path) -> N
     assert {r: p.popen.returncode for r, p in job.ranks.items()} == {0: -9, 1: -9}
     assert job.exit_codes() == {0: 0, 1: -9}
     assert job.finished_late == {0}
+
+
+def _nice(pid: int) -> list[int]:
+    """The nice value of every thread of `pid` (field 19 of /proc/<pid>/task/<tid>/stat)."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            out.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+    return out
+
+
+@pytest.mark.skipif(not may_restore_priority(), reason="this user may not lower a nice value again (not root, "
+                    "RLIMIT_NICE < 20): the launcher then starts refilled spares at normal priority")
+def test_a_refilled_spare_runs_niced_until_it_takes_a_rank(tmp_path: Path) -> None:
+    # A real process with threads of its own (torch's), started as the launcher starts a refill, then given back
+    # its priority as the launcher does when the spare takes a rank.
+    code = "import torch, threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
+    popen, out = start_process([sys.executable, "-c", code], dict(os.environ), tmp_path / "spare.log", REFILL_NICE)
+    try:
+        time.sleep(1.0)  # torch imported, the thread started
+        assert _nice(popen.pid) and set(_nice(popen.pid)) == {REFILL_NICE}, _nice(popen.pid)
+        restore_priority(popen.pid)
+        assert set(_nice(popen.pid)) == {0}, _nice(popen.pid)
+    finally:
+        popen.kill()
+        popen.wait()
+        assert out is not None
+        out.close()

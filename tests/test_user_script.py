@@ -129,6 +129,9 @@ def test_killed_at_start_up_at_a_boundary_and_mid_step_ends_equal(reference_load
     assert term["failed_ranks"] == [0] and term["path"] == "p2p" and term["steps_lost"] == 0, term
     # Healthy ranks kept their process through the in-process recoveries (rank 1: restart, then its fault).
     assert summary["ranks"][1]["pid"] == summary["pids"]["1"][-1] and len(summary["pids"]["1"]) == 3
+    # Ranks 2 and 0 were replaced by spares refilled while the job trained, which start niced where the launcher
+    # may restore their priority (`launcher.procs`): every rank trained at nice 0.
+    assert [summary["ranks"][r]["nice"] for r in range(4)] == [0] * 4, summary["ranks"]
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)

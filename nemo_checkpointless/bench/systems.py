@@ -253,8 +253,11 @@ def measure(name: str, run_dir: Path, spec: JobSpec, ranks: int, t_start: float,
     # Steps the killed rank never trained (its replica group was down while the others went on: torchft).
     seen = {s for s, _, _ in rows[KILL_RANK]}
     record["steps_skipped_by_rank1"] = sum(1 for s in range(step, spec.steps + 1) if s not in seen)
-    # The moments the logs show: a process (re)started, a training loop (re)entered, the first step after.
-    events = [e for r in range(ranks) for e in read_events(run_dir, r) if e["t"] > t_fault]
+    # The moments the logs show in this recovery (until a second after the fault step was done everywhere: a
+    # restart later in the run is another event): a process (re)started, a training loop (re)entered, the first
+    # step after.
+    until = t_fault + (record["downtime_s"] if record["downtime_s"] is not None else float("inf")) + 1.0
+    events = [e for r in range(ranks) for e in read_events(run_dir, r) if t_fault < e["t"] <= until]
     marks: dict[str, float] = {}
     starts = [e["t"] for e in events if e["event"] == "start"]
     trains = [e["t"] for e in events if e["event"] == "train"]

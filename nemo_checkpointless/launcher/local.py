@@ -27,6 +27,7 @@ import torch.distributed as dist
 from nemo_checkpointless import protocol
 from nemo_checkpointless.config import Config
 from nemo_checkpointless.data.cache import new_job_id, remove_job_cache
+from nemo_checkpointless.launcher import procs
 from nemo_checkpointless.launcher.spares import ForkedSpare, SpareFactory, become_child_subreaper
 from nemo_checkpointless.launcher.stragglers import StragglerWatch
 from nemo_checkpointless.launcher.watchdog import HangWatch, Reader
@@ -92,12 +93,19 @@ def process_environ(threads: int, extra_env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def start_process(argv: list[str], env: dict[str, str], log: Path | None
+def start_process(argv: list[str], env: dict[str, str], log: Path | None, nice: int = 0
                   ) -> tuple[subprocess.Popen[bytes], IO[bytes] | None]:
-    """A child that dies with this process, its output in `log` (a private file) or on this terminal (None)."""
+    """A child that dies with this process, its output in `log` (a private file) or on this terminal (None), at
+    nice value `nice` (its threads inherit it)."""
     out = os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") if log is not None else None
+
+    def before_exec() -> None:
+        _die_with_parent()
+        if nice:
+            os.nice(nice)
+
     popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                             preexec_fn=_die_with_parent)
+                             preexec_fn=before_exec)
     return popen, out
 
 
@@ -205,15 +213,15 @@ class _Job:
     def process_env(self, extra_env: dict[str, str]) -> dict[str, str]:
         return process_environ(self.cfg.launcher.threads_per_rank, extra_env)
 
-    def _start(self, extra_env: dict[str, str], log_name: str | None) -> _Proc:
-        popen, log, out = self._spawn(extra_env, log_name)
+    def _start(self, extra_env: dict[str, str], log_name: str | None, nice: int = 0) -> _Proc:
+        popen, log, out = self._spawn(extra_env, log_name, nice)
         return _Proc(popen, log, out)
 
-    def _spawn(self, extra_env: dict[str, str], log_name: str | None
+    def _spawn(self, extra_env: dict[str, str], log_name: str | None, nice: int = 0
                ) -> tuple[subprocess.Popen[bytes], Path | None, IO[bytes] | None]:
         log = self.run_dir / "logs" / log_name if log_name is not None else None
         argv = [sys.executable, "-m", self.worker_module] if self.command is None else self.command
-        popen, out = start_process(argv, self.process_env(extra_env), log)
+        popen, out = start_process(argv, self.process_env(extra_env), log, nice)
         return popen, log, out
 
     def _env(self, rank: int) -> dict[str, str]:
@@ -272,14 +280,18 @@ class _Job:
         return env
 
     def start_spare(self, refill: bool = False) -> None:
-        """A hot spare; a `refill` (started while the job trains) warms up at idle CPU priority."""
+        """A hot spare; a `refill` (started while the job trains) warms up at idle CPU priority. A refill that is a
+        new interpreter (a user's script: no template) runs niced as a whole, imports included, where this
+        launcher may restore its priority when it takes a rank (`procs.may_restore_priority`): measured on 2 cores,
+        its imports at normal priority cost the training ranks about 2 s of job time per recovery."""
         spare_id = self.next_spare
         self.next_spare += 1
         extra = {SPARE_ID_ENV: str(spare_id), SPARE_REFILL_ENV: "1" if refill else "0"}
         env = {**self.spare_env(), **extra}
         log_name = f"spare_{spare_id}.log"
         if self.factory is None:
-            self.spares[spare_id] = self._start(env, log_name)
+            nice = procs.REFILL_NICE if refill and procs.may_restore_priority() else 0
+            self.spares[spare_id] = self._start(env, log_name, nice)
             return
         # Forked from the warm template: no imports, no warm-up on the cores the ranks train on.
         log = self.run_dir / "logs" / log_name
@@ -416,6 +428,8 @@ class _Job:
             spare_id = live[0]
             how[rank] = "warm spare" if self.store.check([spare_ready_key(spare_id)]) else "starting spare"
             proc = self.spares.pop(spare_id)
+            if isinstance(proc.popen, subprocess.Popen):  # a refill started niced here trains at normal priority
+                procs.restore_priority(proc.popen.pid)
             self.store.set(spare_assign_key(spare_id), protocol.Assignment(rank, self.generation).to_json())
             self.pids.setdefault(rank, []).append(proc)
             self.refill += 1

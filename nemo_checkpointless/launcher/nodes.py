@@ -309,7 +309,9 @@ class ClusterJob(_Job):
                    GROUP_WORLD_SIZE=str(spec.nnodes), MASTER_ADDR=spec.host, MASTER_PORT=str(spec.port))
         return env
 
-    def _start(self, extra_env: dict[str, str], log_name: str | None) -> _Proc:
+    def _start(self, extra_env: dict[str, str], log_name: str | None, nice: int = 0) -> _Proc:
+        """On a node's agent; at normal priority (`nice` is for a spare of this machine, whose priority the
+        launcher restores itself)."""
         uid = f"p{self.next_uid}"
         self.next_uid += 1
         argv = [sys.executable, "-m", self.worker_module] if self.command is None else self.command

@@ -4,6 +4,7 @@ outlives its launcher."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,3 +74,28 @@ def rank_pids(run_dir: str | os.PathLike[str], run_dir_var: str = RUN_DIR_ENV) -
         if top:
             out[rank] = top[0]
     return out
+
+
+# A refilled spare (a new interpreter started while the job trains) runs at this nice value until it takes a rank:
+# its imports and set-up then use the CPU the training ranks leave, not theirs.
+REFILL_NICE = 19
+
+
+def may_restore_priority() -> bool:
+    """Whether this process may lower a child's nice value again (root, or an RLIMIT_NICE that allows nice 0): the
+    condition for starting a spare niced at all, since a rank must train at normal priority."""
+    import resource
+
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+
+
+def restore_priority(pid: int) -> None:
+    """Every thread of `pid` back to nice 0 (Linux keeps a nice value per thread); nothing when not permitted or
+    when the process is gone."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tasks:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, int(tid), 0)

@@ -166,8 +166,7 @@ def main() -> None:
         trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True), val)
     digests = trainer.strategy.rank_state_digests()  # type: ignore[attr-defined]
     digests.update(rank=trainer.global_rank, val_batches=model.val_batches, global_step=trainer.global_step,
-                   epoch=trainer.current_epoch,
-                   pid=os.getpid())
+                   epoch=trainer.current_epoch, pid=os.getpid(), nice=os.nice(0))
     with open(os.path.join(run_dir, f"user_rank{trainer.global_rank}.json"), "w") as f:
         json.dump(digests, f)
 
