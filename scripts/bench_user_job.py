@@ -15,7 +15,6 @@ times at which this process finished step --t-from and the last step, and a sha2
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import time
@@ -24,6 +23,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from nemo_checkpointless.bench.job import params_sha256
 
 
 def make_data(n: int, features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,14 +50,6 @@ class Regressor(pl.LightningModule):
         optimizer = torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.01)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def params_sha256(module: nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, p in module.named_parameters():
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def _write(path: str, text: str) -> None:

@@ -46,7 +46,7 @@ from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.replication import ShardedOptimizer
 from nemo_checkpointless.restart import Membership, PeerFailure, progress
 from nemo_checkpointless.restart.integrity import IntegrityCheck, NanGuard
-from nemo_checkpointless.restart.recovery import GATHERING, Decision, Parked, Reshape, RestartFromCheckpoint
+from nemo_checkpointless.restart.recovery import Decision, Parked, Reshape, RestartFromCheckpoint
 from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
 from nemo_checkpointless.restart.worker_env import die_by_signal, freeze_heap
 from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
@@ -944,8 +944,9 @@ class CheckpointlessStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------- the recovery engine's view
     def progress(self) -> tuple[int, int]:
         assert self.sharded is not None
-        phase = self.sharded.phase  # 2: this rank's shard is updated, its instance's all-gather in flight
-        return self.sharded.completed_steps, GATHERING if phase == 2 else phase
+        # The sharded optimizer's phase 2 (its shard updated, the instance's all-gather in flight) is the engine's
+        # `recovery.GATHERING`: the phase in which a survivor can be rolled forward.
+        return self.sharded.completed_steps, self.sharded.phase
 
     rolls_forward = True
 
