@@ -574,7 +574,9 @@ class _Job:
         if proc is None or proc.log is None:
             return f"rank {rank}'s traceback is above"
         last = next((line.strip() for line in reversed(_tail(proc.log).splitlines()) if line.strip()), "(empty log)")
-        return f"rank {rank}: {last[:300]} (log: {proc.log})"
+        # Whole up to 1000 characters: the last line is usually the error, and a ConfigError's fix is at its end
+        # (cut at 300, "--shrink ... this loader uses MmapDataM" lost the loader's name and the fix).
+        return f"rank {rank}: {last[:1000]} (log: {proc.log})"
 
     def _injected(self, failed: list[int]) -> dict[int, dict[str, Any]]:
         out = {}
