@@ -26,18 +26,22 @@ def _spread(values: list[float]) -> list[float] | None:
 
 
 def summarize(system: str, faulted: list[dict[str, Any]], clean: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over a system's runs: downtime, job time lost (each faulted run's wall time minus the median of the
-    fault-free runs'), steps lost and skipped, whether every faulted run ended equal to the fault-free state."""
+    """Medians over a system's runs: downtime, job time lost (each faulted run's training span minus the median of
+    the fault-free runs', `systems.measure`; the same with wall times, launcher start to exit, as `lost_wall_s`),
+    steps lost and skipped, whether every faulted run ended equal to the fault-free state."""
     ok = [r for r in faulted if not r["problems"]]
     clean_ok = [r for r in clean if not r["problems"]]
     ff_wall = _median([r["wall_s"] for r in clean_ok])
+    ff_span = _median([r["span_s"] for r in clean_ok if r.get("span_s") is not None])
     downtimes = [r["downtime_s"] for r in ok if r.get("downtime_s") is not None]
-    lost = [round(r["wall_s"] - ff_wall, 3) for r in ok] if ff_wall is not None else []
+    lost = [round(r["span_s"] - ff_span, 3) for r in ok if r.get("span_s") is not None] if ff_span is not None else []
+    lost_wall = [round(r["wall_s"] - ff_wall, 3) for r in ok] if ff_wall is not None else []
     reference = {r["params_sha256"] for r in clean_ok}
     out: dict[str, Any] = {
         "runs": len(faulted), "runs_ok": len(ok),
         "downtime_s": _median(downtimes), "downtime_range_s": _spread(downtimes),
-        "lost_s": _median(lost), "lost_range_s": _spread(lost), "fault_free_wall_s": ff_wall,
+        "lost_s": _median(lost), "lost_range_s": _spread(lost), "lost_wall_s": _median(lost_wall),
+        "fault_free_wall_s": ff_wall, "fault_free_span_s": ff_span,
         "fault_free_steps_per_s": _median([r["steps_per_s"] for r in clean_ok if r.get("steps_per_s")]),
         "steps_lost": _median([r["steps_lost"] for r in ok if r.get("steps_lost") is not None]),
         "steps_skipped": _median([r["steps_skipped_by_rank1"] for r in ok if "steps_skipped_by_rank1" in r]),

@@ -219,6 +219,12 @@ def measure(name: str, run_dir: Path, spec: JobSpec, ranks: int, t_start: float,
         record["state_bytes"] = done["state_bytes"]
     zero = rows[0]
     record["steps"] = [[s, round(t - t_start, 4)] for s, t, _ in zero]  # rank 0: step, seconds since the start
+    # The training span: rank 0's first step to the last step any rank completed. Without the interpreters' start
+    # and exit (seconds of noise on a shared machine, the same in a faulted run as in a fault-free one), with
+    # everything a fault costs in between: restarts, steps redone, a slower phase, a group still training late.
+    last = max((r[-1][1] for r in rows.values() if r), default=None)
+    if zero and last is not None:
+        record["span_s"] = round(last - zero[0][1], 3)
     steady = [b[1] - a[1] for a, b in itertools.pairwise(zero) if b[2] == a[2] and b[0] == a[0] + 1
               and (fault is None or not a[1] < fault["t"] < b[1] + 5)]
     if steady:

@@ -121,7 +121,10 @@ def _ours_costs(args: argparse.Namespace, names: list[str], spec: JobSpec, kill:
     for peer in report.PEERS:
         s = systems.get(peer, {})
         ratios[f"rto_ratio_vs_{peer}"] = report.ratio(s.get("downtime_s"), ours.get("downtime_s"))
-        ratios[f"lost_ratio_vs_{peer}"] = report.ratio(s.get("lost_s"), ours.get("lost_s"))
+        # A fault costs the job at least its downtime less about one step; a smaller measured loss is the noise
+        # of the step rate, so ours' loss counts as no less than its downtime here.
+        floor = max(x for x in (ours.get("lost_s"), ours.get("downtime_s"), 0.0) if x is not None)
+        ratios[f"lost_ratio_vs_{peer}"] = report.ratio(s.get("lost_s"), floor or None)
     plain = systems.get("plain_ddp", {})
     ours_rate, plain_rate = ours.get("fault_free_steps_per_s"), plain.get("fault_free_steps_per_s")
     ratios["overhead_pct"] = (round((plain_rate / ours_rate - 1) * 100, 2) if ours_rate and plain_rate else None)
