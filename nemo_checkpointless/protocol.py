@@ -44,6 +44,10 @@ NAN_POLICY_ENV = f"{ENV_PREFIX}INTEGRITY_NAN_POLICY"  # integrity.nan_policy
 REPLACEMENT_TIMEOUT_ENV = f"{ENV_PREFIX}REPLACEMENT_TIMEOUT_S"
 CACHE_ROOT_ENV = f"{ENV_PREFIX}CACHE_ROOT"  # where the job's shared-memory batch cache lives (default /dev/shm)
 FAULT_PLAN_ENV = f"{ENV_PREFIX}FAULT_PLAN"  # JSON list of {kind, rank, step}: test and benchmark faults
+# The training collectives' plane (`restart.groups`): unset, CUDA tensors go over NCCL and CPU tensors over gloo;
+# "gloo" (tests on CPU machines) sends every all-reduce, all-gather and broadcast over a second gloo group per
+# generation, waited, aborted and released as the NCCL one is.
+DEVICE_PLANE_ENV = f"{ENV_PREFIX}DEVICE_PLANE"
 # The recipe's model-parallel layout, set by `checkpointless-train recipe=NAME script=...` only (not by
 # checkpointless-run): a `CheckpointlessMegatronStrategy` built without a size takes it from here, one built with a
 # different size stops with a ConfigError. (variable, recipe key, MegatronStrategy argument) per size.

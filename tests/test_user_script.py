@@ -39,11 +39,12 @@ def _env() -> dict[str, str]:
     return child_env()
 
 
-def _launch(run_dir: Path, *args: str, script: Path = SCRIPT, script_args: tuple[str, ...] = ()
-            ) -> subprocess.Popen[bytes]:
+def _launch(run_dir: Path, *args: str, script: Path = SCRIPT, script_args: tuple[str, ...] = (),
+            env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "nemo_checkpointless.cli.run", "--nproc-per-node", "4", "--run-dir", str(run_dir),
            "--collective-timeout", "8", *args, str(script), *script_args]
-    return subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, env={**_env(), **(env or {})}, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
 
 
 def _finish(proc: subprocess.Popen[bytes], run_dir: Path) -> dict[str, Any]:
@@ -132,6 +133,33 @@ def test_killed_at_start_up_at_a_boundary_and_mid_step_ends_equal(reference_load
     # Ranks 2 and 0 were replaced by spares refilled while the job trained, which start niced where the launcher
     # may restore their priority (`launcher.procs`): every rank trained at nice 0.
     assert [summary["ranks"][r]["nice"] for r in range(4)] == [0] * 4, summary["ranks"]
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_training_collectives_on_a_second_plane_recovered_equal(reference_loader: dict[str, Any],
+                                                                tmp_path: Path) -> None:
+    # What a GPU rank does (`restart.groups`: the training collectives on NCCL, the recovery on gloo), with gloo
+    # standing in for NCCL (`NCL_DEVICE_PLANE=gloo`): a second group per generation, built at its first collective,
+    # waited by polling, released after a fault. A kill at a step boundary and a SIGKILL wherever rank 2 is (its
+    # peers then wait in a device-plane collective that fails): both p2p, and the run ends as the one-plane run does.
+    run_dir = tmp_path / "planes"
+    done: list[str] = []
+    proc = _launch(run_dir, "--spares", "1", "--fault", "kill:1:12", script_args=LOADER,
+                   env={"NCL_DEVICE_PLANE": "gloo"})
+    thread = _kill_when(run_dir, 2, signal.SIGKILL, 24, done)
+    summary = _finish(proc, run_dir)
+    thread.join(timeout=1)
+    assert done, "rank 2 was not killed"
+    _assert_equal(reference_loader, summary, 40)
+    recoveries = summary["recoveries"]
+    assert [(r["failed_ranks"], r["path"], r["steps_lost"]) for r in recoveries] == [
+        ([1], "p2p", 0), ([2], "p2p", 0)], recoveries
+    planes = {r: summary["ranks"][r]["device_plane"] for r in range(4)}
+    # Every rank ran its step's collectives there (2 a step: the gradient all-reduce and the parameter
+    # all-gather, plus the user's sync_dist log); a survivor of the SIGKILL saw a device-plane wait fail.
+    assert all(p["collectives"] >= 40 for p in planes.values()), planes
+    assert summary["ranks"][3]["device_plane"]["failed"] + summary["ranks"][0]["device_plane"]["failed"] >= 1, planes
+    assert reference_loader["ranks"][0]["device_plane"] == {"collectives": 0, "failed": 0}
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)

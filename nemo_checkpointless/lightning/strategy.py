@@ -404,9 +404,18 @@ class CheckpointlessStrategy(ParallelStrategy):
                               f"{self.num_nodes} node(s) x --nproc-per-node {devices}")
 
     @property
+    def on_cuda(self) -> bool:
+        """`Trainer(accelerator="gpu")` (Lightning's CUDAAccelerator): each rank trains on one GPU."""
+        return type(self.accelerator).__name__ == "CUDAAccelerator"
+
+    @property
     @override
     def root_device(self) -> torch.device:
-        return torch.device("cpu")
+        """The rank's device: GPU `LOCAL_RANK` (a spare learns it with its rank), or the CPU."""
+        if not self.on_cuda:
+            return torch.device("cpu")
+        local = self._session.env.local_rank if self._session is not None else int(os.environ.get("LOCAL_RANK", 0))
+        return torch.device("cuda", local)
 
     @override
     def model_to_device(self) -> None:
@@ -416,10 +425,13 @@ class CheckpointlessStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------------------- optimizer
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if trainer.accelerator is not None and trainer.accelerator.__class__.__name__ != "CPUAccelerator":
-            raise ConfigError("Trainer(accelerator=...)", trainer.accelerator.__class__.__name__,
-                              "CheckpointlessStrategy trains on CPU processes over gloo in this release",
-                              'use Trainer(accelerator="cpu")')
+        accelerator = type(trainer.accelerator).__name__
+        if trainer.accelerator is not None and accelerator not in ("CPUAccelerator", "CUDAAccelerator"):
+            raise ConfigError("Trainer(accelerator=...)", accelerator,
+                              "CheckpointlessStrategy trains on CPU processes (gloo) or one CUDA GPU a process "
+                              "(NCCL for the training collectives, gloo for the recovery)",
+                              'use Trainer(accelerator="cpu") or Trainer(accelerator="gpu")')
+        self.model_to_device()  # before the optimizer is sharded: its flat buffers go where the parameters are
         if trainer.gradient_clip_val:
             if trainer.gradient_clip_algorithm not in (None, "norm"):
                 raise ConfigError("Trainer(gradient_clip_algorithm=...)", trainer.gradient_clip_algorithm,
@@ -972,6 +984,8 @@ class CheckpointlessStrategy(ParallelStrategy):
         for name, t in self.sharded.shard_state().items():
             if not name.endswith(".param"):
                 tensors[f"shard.{name}"] = t
+        if self.on_cuda:  # what is sent, checkpointed or kept is a host copy, as every reader expects
+            tensors = {name: t.to("cpu", copy=True) if t.is_cuda else t for name, t in tensors.items()}
         schedulers = [cfg.scheduler.state_dict() for cfg in self.lr_scheduler_configs]
         meta = {
             "version": STATE_VERSION,
@@ -1000,8 +1014,12 @@ class CheckpointlessStrategy(ParallelStrategy):
         opt = self.sharded.optimizer
         for i, g in enumerate(self.sharded.groups):
             g.flat.copy_(tensors[f"param.group{i}"])
-            state = {name.split(".", 2)[2]: t.clone() for name, t in tensors.items()
-                     if name.startswith(f"shard.group{i}.")}
+            # Shard-shaped state goes to the shard's device; scalars (AdamW's `step`) stay on the host unless the
+            # optimizer keeps them on the device (capturable / fused), as the optimizer itself would create them.
+            on_device = bool(opt.param_groups[i].get("capturable") or opt.param_groups[i].get("fused"))
+            state = {name.split(".", 2)[2]: t.to(g.flat.device if on_device or t.shape == g.shard.shape
+                                                 else "cpu", copy=True)
+                     for name, t in tensors.items() if name.startswith(f"shard.group{i}.")}
             opt.state[g.shard] = state
         for group, lr in zip(opt.param_groups, meta["lrs"], strict=True):
             group["lr"] = lr

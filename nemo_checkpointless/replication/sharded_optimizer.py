@@ -14,6 +14,10 @@ A step (every DP rank calls `step`, once per training step, in the same order):
   3. the wrapped optimizer updates this rank's shard;
   4. all-gather the shards inside the instance, so every rank again holds the full parameters.
 The update is elementwise, so results do not depend on N: N=1, 2 and DP give bitwise-equal training.
+
+Device. The flat buffers live where the module's parameters are (one device for all of them): on a GPU the two
+collectives run on CUDA tensors (NCCL, `restart.groups`), and nothing in a step waits on the host except the
+side channel, which comes back to the CPU once per step.
 """
 
 from __future__ import annotations
@@ -88,13 +92,17 @@ class ShardedOptimizer:
         if optimizer.state:
             raise ValueError("ShardedOptimizer must wrap a fresh optimizer (its state is not empty)")
         names = {id(p): n for n, p in module.named_parameters()}
+        devices = {p.device for pg in optimizer.param_groups for p in pg["params"]}
+        if len(devices) > 1:
+            raise ValueError(f"ShardedOptimizer keeps its parameters on one device; got {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
         self.groups: list[_FlatGroup] = []
         for pg in optimizer.param_groups:
             params = [(names[id(p)], p) for p in pg["params"] if p.requires_grad]
             self.groups.append(self._flatten(params))
             pg["params"] = [self.groups[-1].shard]
         total = sum(g.flat.numel() for g in self.groups)
-        self.flat_grad = torch.zeros(total + side_channel_numel)
+        self.flat_grad = torch.zeros(total + side_channel_numel, device=self.device)
 
     def _flatten(self, params: list[tuple[str, nn.Parameter]]) -> _FlatGroup:
         numel = sum(p.numel() for _, p in params)
@@ -102,7 +110,7 @@ class ShardedOptimizer:
         for _, p in params:
             if p.dtype != torch.float32:
                 raise TypeError(f"ShardedOptimizer keeps fp32 parameters; got {p.dtype}")
-        flat = torch.zeros(padded, dtype=torch.float32)
+        flat = torch.zeros(padded, dtype=torch.float32, device=self.device)
         offsets, off = [], 0
         for _, p in params:
             flat[off : off + p.numel()].copy_(p.detach().view(-1))
@@ -151,10 +159,9 @@ class ShardedOptimizer:
         grads.div_(self.average_over)
         if self.grad_clip > 0:
             norm = torch.linalg.vector_norm(grads)
-            coef = self.grad_clip / (norm + 1e-6)
-            if coef < 1:
-                grads.mul_(coef)
-        return tail.clone() if side_channel is not None else None
+            # min(coef, 1) on the device, no host sync; x * 1.0 == x exactly, so an unclipped step is unchanged.
+            grads.mul_(torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0))
+        return tail.to("cpu", copy=True) if side_channel is not None else None
 
     def update_shard(self) -> None:
         """Phase 3 (local): the wrapped optimizer steps on this rank's shard."""

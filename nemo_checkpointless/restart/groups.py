@@ -21,11 +21,24 @@ sockets and transport thread go. The destructor waits for a collective still stu
 timeout) and releases the GIL while it waits, so a daemon thread (`_Reaper`) destroys abandoned groups while the
 rank trains on. Closing one rank's sockets also fails the peers' stuck collectives at once, so in practice every
 rank's old groups go within milliseconds of the recovery.
+
+Two planes (CUDA). A group's collectives on CUDA tensors (the gradient all-reduce, the parameter all-gather, a
+user's `sync_dist` on a CUDA metric) go over a `ProcessGroupNCCL` of the same members, built under the same
+generation's prefix at the first such collective; everything on CPU tensors (the recovery's agreement, the state
+transfer, the integrity digests) stays on gloo. An NCCL collective is enqueued on the GPU and this thread polls its
+`is_completed()` (which also turns true on an NCCL error) between short sleeps, with the fault key and the timeout
+as for gloo; when they end the wait first, the communicator is aborted (`abort()`, which ends kernels stuck on a
+dead peer) and the group is released like a gloo one. NCCL's own watchdog is set to clean up without ending the
+process (`TORCH_NCCL_ASYNC_ERROR_HANDLING=2`, unless the user set it), so a peer's death is a `PeerFailure` here,
+not an exit. `DEVICE_PLANE_ENV=gloo` routes every all-reduce, all-gather and broadcast over a second gloo group
+waited the same way: the two-plane logic runs on a CPU machine (the tests), with gloo standing in for NCCL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import queue
 import threading
 import time
@@ -36,11 +49,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_checkpointless.protocol import FAULT_KEY, alive_key, hang_key
+from nemo_checkpointless.protocol import DEVICE_PLANE_ENV, FAULT_KEY, alive_key, hang_key
 
 __all__ = ["FAULT_KEY", "CollectiveTimeout", "Group", "Membership", "PeerFailure", "alive_key", "hang_key"]
 
 POLL_S = 0.005
+
+# This process's device-plane use: collectives completed there, and waits that ended in a failure (the tests read
+# it; `device_plane_stats`).
+_DEVICE_STATS = {"collectives": 0, "failed": 0}
+
+
+def device_plane_stats() -> dict[str, int]:
+    return dict(_DEVICE_STATS)
 
 
 class PeerFailure(RuntimeError):
@@ -86,18 +107,91 @@ class Group:
     # Collectives that did not complete (a failure or the fault key ended the wait): each holds the group's gloo
     # context (its sockets) until it is dropped, so the group owns them and `release` drops them with the group.
     unfinished: list[dist.Work] = field(init=False, default_factory=list)
+    # The device plane (see the module docstring): built at the first collective routed to it.
+    device_pg: Any = field(init=False, default=None)
+    device_plane: str = field(init=False, default="")  # "" (CUDA tensors: NCCL) or "gloo" (every collective)
+    prefix: str = field(init=False, default="")  # this group's keys in the store
 
     def __post_init__(self) -> None:
+        self.prefix = f"gen{self.generation}/{self.name}/{','.join(map(str, self.ranks))}"
+        self.device_plane = os.environ.get(DEVICE_PLANE_ENV, "")
+        if self.device_plane not in ("", "nccl", "gloo"):
+            raise ValueError(f"{DEVICE_PLANE_ENV}={self.device_plane}: must be nccl or gloo")
+        self._arrive(self.prefix)
+        try:
+            self.pg = self._gloo(self.prefix)
+        except RuntimeError as e:  # a member died before connecting
+            raise PeerFailure(f"forming group {self.name} of generation {self.generation}: {e}") from e
+
+    def _gloo(self, prefix: str) -> Any:
         opts: Any = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
         opts._timeout = datetime.timedelta(seconds=self.timeout_s)
-        prefix = f"gen{self.generation}/{self.name}/{','.join(map(str, self.ranks))}"
-        self._arrive(prefix)
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), self.group_rank, len(self.ranks), opts)
+
+    def _on_device_plane(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda or self.device_plane == "gloo"
+
+    def _device(self) -> Any:
+        """The device plane's process group, built at its first collective (every member gets there in the same
+        collective, so each builds it at the same point)."""
+        if self.pg is None:
+            raise PeerFailure(f"group {self.name} of generation {self.generation} was released (a newer generation "
+                              "replaced it)")
+        if self.device_pg is None:
+            prefix = f"{self.prefix}/device"
+            self._arrive(prefix)
+            try:
+                if self.device_plane == "gloo":
+                    self.device_pg = self._gloo(prefix)
+                else:
+                    # NCCL's watchdog cleans up an errored communicator without ending the process: the failure
+                    # is this module's to report (`PeerFailure`), and the survivors recover.
+                    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+                    opts: Any = dist.ProcessGroupNCCL.Options()
+                    opts._timeout = datetime.timedelta(seconds=self.timeout_s + 1.0)  # ours ends the wait first
+                    self.device_pg = dist.ProcessGroupNCCL(
+                        dist.PrefixStore(prefix, self.store), self.group_rank, len(self.ranks), opts)
+            except RuntimeError as e:
+                raise PeerFailure(f"forming the device plane of group {self.name} (generation "
+                                  f"{self.generation}): {e}") from e
+        return self.device_pg
+
+    def _wait_device(self, work: dist.Work, what: str) -> None:
+        """Wait for a device-plane collective: poll `is_completed()` (true when done or failed), the fault key and
+        the timeout; a wait that ends otherwise aborts the communicator, which ends the GPU's stuck kernels."""
+        self.unfinished.append(work)
+        error = self._poll_work(work, what)
+        del work
+        if error is not None:
+            _DEVICE_STATS["failed"] += 1
+            self._abort_device()
+            raise error
+        self.unfinished.pop()
+        _DEVICE_STATS["collectives"] += 1
+
+    def _poll_work(self, work: dist.Work, what: str) -> PeerFailure | None:
+        deadline = time.monotonic() + self.timeout_s
+        pause = 5e-5  # short at first: most collectives of a step complete within a millisecond or two
+        while not work.is_completed():
+            if fault_generation(self.store) >= self.generation:
+                return PeerFailure(f"{what}: the launcher reported a failed rank (generation {self.generation})")
+            if time.monotonic() > deadline:
+                return CollectiveTimeout(f"{what}: no progress in {self.timeout_s:.0f} s "
+                                         "(launcher.collective_timeout_s)")
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S)
         try:
-            store = dist.PrefixStore(prefix, self.store)
-            self.pg = dist.ProcessGroupGloo(store, self.group_rank, len(self.ranks), opts)
-        except RuntimeError as e:  # a member died before connecting
-            raise PeerFailure(f"forming group {self.name} of generation {self.generation}: {e}") from e
+            work.wait()  # raises the collective's error, if it failed
+        except RuntimeError as e:
+            return PeerFailure(f"{what}: {e}")
+        return None
+
+    def _abort_device(self) -> None:
+        abort = getattr(self.device_pg, "abort", None)
+        if abort is not None and self.device_plane != "gloo":  # gloo's abort closes nothing (module docstring)
+            with contextlib.suppress(RuntimeError):  # already aborted by NCCL's watchdog
+                abort()
 
     def _arrive(self, prefix: str) -> None:
         """Wait until every member is here, watching the fault key: gloo's own connect would block for the whole
@@ -191,17 +285,29 @@ class Group:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` in place over the group."""
-        self._wait(self._pg.allreduce([tensor]), f"all_reduce in {self.name}")
+        what = f"all_reduce in {self.name}"
+        if self._on_device_plane(tensor):
+            self._wait_device(self._device().allreduce([tensor]), what)
+        else:
+            self._wait(self._pg.allreduce([tensor]), what)
 
     def all_gather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> None:
         """outputs[i] <- tensor of group rank i (all tensors the same shape)."""
-        self._wait(self._pg.allgather([list(outputs)], [tensor]), f"all_gather in {self.name}")
+        what = f"all_gather in {self.name}"
+        if self._on_device_plane(tensor):
+            self._wait_device(self._device().allgather([list(outputs)], [tensor]), what)
+        else:
+            self._wait(self._pg.allgather([list(outputs)], [tensor]), what)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """tensor <- tensor of global rank `src` (a member)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = self.ranks.index(src)
-        self._wait(self._pg.broadcast([tensor], opts), f"broadcast in {self.name}")
+        what = f"broadcast in {self.name}"
+        if self._on_device_plane(tensor):
+            self._wait_device(self._device().broadcast([tensor], opts), what)
+        else:
+            self._wait(self._pg.broadcast([tensor], opts), what)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self._wait(self._pg.send([tensor], self.ranks.index(dst), tag), f"send to rank {dst} in {self.name}")
@@ -267,8 +373,8 @@ def release_groups(groups: Sequence[Group]) -> None:
     """Destroy `groups` (all of an abandoned generation) on the reaper thread, without blocking the caller even
     when a collective is stuck in one of them. A released group raises `PeerFailure` if it is used again."""
     for group in groups:
-        objects: list[Any] = [group.pg, *group.unfinished]
-        group.pg = None
+        objects: list[Any] = [group.pg, group.device_pg, *group.unfinished]
+        group.pg = group.device_pg = None
         group.unfinished = []
         _REAPER.put(objects)
         del objects

@@ -28,7 +28,7 @@ def crc(tensors: Iterable[torch.Tensor]) -> int:
     """CRC-32 of the tensors' bytes, in order (contiguous copies only where a tensor is not)."""
     value = 0
     for t in tensors:
-        flat = t.detach().contiguous().view(-1)
+        flat = t.detach().contiguous().view(-1).cpu()
         value = zlib.crc32(flat.view(torch.uint8).numpy().data, value)
     return value
 

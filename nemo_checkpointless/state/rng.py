@@ -1,4 +1,10 @@
-"""RNG states (Python, NumPy, torch CPU, CUDA where present) as JSON plus tensors: no pickle."""
+"""RNG states (Python, NumPy, torch CPU, and the current CUDA device's where the process uses CUDA) as JSON plus
+tensors: no pickle.
+
+The CUDA state is the current device's only (`rng.cuda`), and only once this process has initialized CUDA: a rank
+that trains on CPU on a machine with GPUs does not create a CUDA context to read it, and a replacement restores it
+into *its* current device, whichever index that is (a spare on another GPU of the node becomes the rank it
+replaces, with that rank's CUDA stream of random numbers)."""
 
 from __future__ import annotations
 
@@ -17,10 +23,15 @@ def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             "numpy": [np_name, int(np_pos), int(np_has_gauss), float(np_gauss)]}
     tensors = {"rng.torch": torch.get_rng_state(),
                "rng.numpy_keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64))}
-    if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"rng.cuda{i}"] = state
+    if cuda_in_use():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()  # the current device's (a CPU byte tensor)
     return meta, tensors
+
+
+def cuda_in_use() -> bool:
+    """Whether this process has initialized CUDA (reading or setting a CUDA RNG state would otherwise create a
+    context on device 0)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def restore_rng(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -29,6 +40,8 @@ def restore_rng(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     name, pos, has_gauss, cached = meta["numpy"]
     np.random.set_state((name, tensors["rng.numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(tensors["rng.torch"])
-    cuda = sorted(k for k in tensors if k.startswith("rng.cuda"))
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
+    if "rng.cuda" in tensors:
+        if not cuda_in_use():
+            raise ValueError("a boundary state with a CUDA RNG state offered to a process that does not use CUDA "
+                             "(the job's ranks must all train on the same kind of device)")
+        torch.cuda.set_rng_state(tensors["rng.cuda"])

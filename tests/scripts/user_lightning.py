@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from nemo_checkpointless.lightning import CheckpointlessCallback, CheckpointlessStrategy, MmapDataModule
+from nemo_checkpointless.restart.groups import device_plane_stats  # what the tests check of the device plane
 
 
 def make_data(n: int = 512, features: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +142,7 @@ def main() -> None:
     parser.add_argument("--slow-step", type=int, default=0, help="with --slow-rank: only this step (1-based) is slow")
     parser.add_argument("--val-every", type=int, default=0, help="validate every N batches (0: no validation)")
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--accelerator", default="cpu", help="gpu: one CUDA device a rank (scripts/gpu_check.sh)")
     parser.add_argument("--eval-loss", action="store_true", help="write the held-out loss after every step")
     args = parser.parse_args()
     run_dir = os.environ.get("NCL_RUN_DIR", ".")
@@ -149,7 +151,7 @@ def main() -> None:
     model = Regressor(step_sleep=args.step_sleep, slow_rank=args.slow_rank, slow_s=args.slow_s,
                       slow_step=args.slow_step)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=int(args.devices) if args.devices.isdigit() else args.devices,
+        accelerator=args.accelerator, devices=int(args.devices) if args.devices.isdigit() else args.devices,
         num_nodes=args.num_nodes,
         strategy=CheckpointlessStrategy(),
         callbacks=[CheckpointlessCallback(), Progress(run_dir), *([EvalLoss(run_dir)] if args.eval_loss else [])],
@@ -166,7 +168,8 @@ def main() -> None:
         trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True), val)
     digests = trainer.strategy.rank_state_digests()  # type: ignore[attr-defined]
     digests.update(rank=trainer.global_rank, val_batches=model.val_batches, global_step=trainer.global_step,
-                   epoch=trainer.current_epoch, pid=os.getpid(), nice=os.nice(0))
+                   epoch=trainer.current_epoch, pid=os.getpid(), nice=os.nice(0),
+                   device_plane=device_plane_stats(), device=str(trainer.strategy.root_device))
     with open(os.path.join(run_dir, f"user_rank{trainer.global_rank}.json"), "w") as f:
         json.dump(digests, f)
 
