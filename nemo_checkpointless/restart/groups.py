@@ -171,16 +171,23 @@ class Group:
         _DEVICE_STATS["collectives"] += 1
 
     def _poll_work(self, work: dist.Work, what: str) -> PeerFailure | None:
-        deadline = time.monotonic() + self.timeout_s
-        pause = 5e-5  # short at first: most collectives of a step complete within a millisecond or two
+        now = time.monotonic()
+        deadline, next_check = now + self.timeout_s, now + POLL_S
+        # Short sleeps, doubling up to 1 ms: a completed collective is seen within a millisecond (the step waits on
+        # it); the store is asked for the fault key every POLL_S only.
+        pause = 5e-5
         while not work.is_completed():
-            if fault_generation(self.store) >= self.generation:
-                return PeerFailure(f"{what}: the launcher reported a failed rank (generation {self.generation})")
-            if time.monotonic() > deadline:
-                return CollectiveTimeout(f"{what}: no progress in {self.timeout_s:.0f} s "
-                                         "(launcher.collective_timeout_s)")
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + POLL_S
+                if fault_generation(self.store) >= self.generation:
+                    return PeerFailure(f"{what}: the launcher reported a failed rank (generation "
+                                       f"{self.generation})")
+                if now > deadline:
+                    return CollectiveTimeout(f"{what}: no progress in {self.timeout_s:.0f} s "
+                                             "(launcher.collective_timeout_s)")
             time.sleep(pause)
-            pause = min(2 * pause, POLL_S)
+            pause = min(2 * pause, 1e-3)
         try:
             work.wait()  # raises the collective's error, if it failed
         except RuntimeError as e:
