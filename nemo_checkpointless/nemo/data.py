@@ -140,7 +140,8 @@ def _all_tensors(sample: Any) -> bool:
     return False
 
 
-_UNWRAPPED = "or pass the data module unwrapped (its batches are then read directly, the position is still exact)"
+_UNWRAPPED = ("or pass the data module unwrapped (a recipe: nemo_checkpointless.nemo.apply(recipe, mmap=False)), its "
+              "batches then read directly")
 
 
 def _check_sampler(module: pl.LightningDataModule) -> None:
