@@ -7,8 +7,9 @@
   bitwise-equal to the fault-free run without the wrapper (every rank's parameters, optimizer shard and RNG; the
   same global batches in the same order), the healthy ranks keep their pids, and the replacement's micro-batches
   came from the shared-memory cache;
-- tensor and pipeline parallelism (TP=2 or PP=2, with DP=2, N=2): a kill at a step boundary recovers p2p from the
-  rank that holds the same TP/PP slice in the other optimizer instance, and ends equal to the fault-free run of the
+- tensor and pipeline parallelism (TP=2 or PP=2, with DP=2, N=2): a kill at a step boundary of a run through
+  `MmapDataModule` recovers p2p from the rank that holds the same TP/PP slice in the other optimizer instance, the
+  replacement's first micro-batch comes from the cache, and it ends equal to the bare module's fault-free run of the
   same layout; with TP=2, both replicas of one slice lost at once fall back to the persistent checkpoint (one file
   per slice) and end equal too;
 - a strategy and a callback that do not pair (NeMo's own `MegatronStrategy` with our callback; our strategy without
@@ -114,10 +115,17 @@ def test_killed_at_a_random_moment_ends_equal_and_survivors_keep_their_pids(refe
 def test_model_parallel_kill_recovers_p2p_and_ends_equal(layout: tuple[str, str], tmp_path: Path) -> None:
     reference = _finish(_launch(tmp_path / "faultfree", script_args=layout), tmp_path / "faultfree")
     run_dir = tmp_path / "killed"
-    summary = _finish(_launch(run_dir, "--spares", "1", "--fault", "kill:1:6", script_args=layout), run_dir)
-    _assert_equal(reference, summary)
+    summary = _finish(_launch(run_dir, "--spares", "1", "--fault", "kill:1:6", script_args=(*layout, "--mmap")),
+                      run_dir)
+    _assert_equal(reference, summary)  # through the cache, equal to the bare module's fault-free run
     (record,) = summary["recoveries"]
     assert record["path"] == "p2p" and record["resumed_from_step"] == 5 and record["steps_lost"] == 0, record
+    # Tier 2 with model parallelism: rank 1's batch group is {0, 1} under TP=2 (rank 0 writes, rank 1 reads), {1, 3}
+    # under PP=2 (rank 1 writes: its replacement adopts what it left). The replacement's first micro-batch is in
+    # shared memory; the loader counts micro-batch steps (one micro-batch per DP rank: 8 / (2 x 2) per step).
+    spare_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("spare_*"))
+    assert f"[rank 1] data: first batch at step {5 * 8 // (2 * 2)} from the cache" in spare_logs, spare_logs[-3000:]
+    assert summary["ranks"][1]["data_cache"]["hits"] > 0, summary["ranks"][1]
     if layout[0] != "--tp":
         return
     # Both replicas of TP slice 1 (ranks 1 and 3) lost at once: the job falls back to the persistent checkpoint,

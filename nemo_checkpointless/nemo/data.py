@@ -20,7 +20,6 @@ each micro-batch the step actually consumes (a GPT batch: inputs plus the last l
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -34,8 +33,6 @@ from nemo_checkpointless.data.loader import MmapBatchLoader
 from nemo_checkpointless.data.sampling import GlobalBatchPlan, IndexPermutation, TokenSequences
 from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.state.hashing import batch_hash
-
-log = logging.getLogger(__name__)
 
 _RECORDED: list[bytes] = []  # this process's micro-batch hashes since the last `take_step_digest`
 
@@ -143,6 +140,53 @@ def _all_tensors(sample: Any) -> bool:
     return False
 
 
+_UNWRAPPED = ("or pass the data module unwrapped (a recipe: nemo_checkpointless.nemo.apply(recipe, mmap=False)), its "
+              "batches then read directly")
+
+
+def _check_sampler(module: pl.LightningDataModule) -> None:
+    """`ConfigError` unless `module` draws its training data with Megatron's pretraining sampler: the cache holds
+    each rank's micro-batches in that sampler's order (and the strategy restores that sampler's position)."""
+    name = type(module).__name__
+    sampler = getattr(module, "data_sampler", None)
+    if not isinstance(sampler, MegatronDataSampler):
+        raise ConfigError(f"MmapDataModule({name}).data_sampler", type(sampler).__name__ if sampler is not None
+                          else None, "must be Megatron's data sampler (nemo.lightning.pytorch.plugins."
+                          "MegatronDataSampler): the cache serves each data-parallel rank's micro-batches in the "
+                          "order Megatron's pretraining sampler draws them",
+                          "set self.data_sampler = MegatronDataSampler(seq_len=..., micro_batch_size=..., "
+                          f"global_batch_size=...) in the module's __init__ (NeMo's GPT data modules do), {_UNWRAPPED}")
+    if sampler.dataloader_type != "single":
+        raise ConfigError(f"MmapDataModule({name}).data_sampler.dataloader_type", repr(sampler.dataloader_type),
+                          "must be 'single' (Megatron's sequential pretraining sampler, whose next micro-batches the "
+                          "cache prefetches; 'cyclic' draws samples at random, 'batch' splits global batches "
+                          "another way)",
+                          f"build the sampler with dataloader_type='single' (the default), {_UNWRAPPED}")
+
+
+def _check_dataset(module: pl.LightningDataModule, dataset: Any) -> None:
+    """`ConfigError` unless `dataset` (the module's `_train_ds` after `setup`) is one the cache can serve:
+    map-style (`len` and `[i]`), its samples tensors or str-keyed dicts / lists / tuples of them."""
+    name = type(module).__name__
+    if dataset is None:
+        raise ConfigError(f"MmapDataModule({name})", "no _train_ds", "the wrapped module must build its training "
+                          "dataset as self._train_ds in setup (the dataset the cache reads)",
+                          f"assign the training dataset to self._train_ds in {name}.setup (NeMo's GPT data modules "
+                          f"do), {_UNWRAPPED}")
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not (
+            hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise ConfigError(f"{name}._train_ds", type(dataset).__name__, "is an iterable-style dataset; the cache "
+                          "serves a map-style one (len(ds) and ds[i]), whose samples Megatron's sampler picks by "
+                          "index", f"give {name} a map-style training dataset, {_UNWRAPPED}")
+    n = len(dataset)
+    for i in sorted({0, n - 1}) if n else ():
+        sample = dataset[i]
+        if not _all_tensors(sample):
+            raise ConfigError(f"{name}._train_ds[{i}]", type(sample).__name__, "a sample must be a tensor or a "
+                              "str-keyed dict / list / tuple of tensors (what the cache stores: no pickle)",
+                              f"return tensors from {type(dataset).__name__}.__getitem__, {_UNWRAPPED}")
+
+
 class CachedSamples(torch.utils.data.Dataset[Any]):
     """A user's map-style training dataset read through this rank's `MmapBatchLoader`.
 
@@ -185,9 +229,12 @@ class MmapDataModule(pl.LightningDataModule):
     or without this wrapper. The batches are the same with and without it (every cached batch is verified, and a
     miss reads the dataset). Started any other way, it is the module itself.
 
-    The module must build its training dataset as `_train_ds` in `setup` (NeMo's GPT data modules do), with samples
-    that are tensors or dicts/lists of tensors (otherwise the cache is not used: said once). Everything else (the
-    sampler, the tokenizer, the validation data, `state_dict`) is the wrapped module's.
+    What it cannot serve is refused with one `ConfigError` (key, value, rule, fix): here, a module without Megatron's
+    data sampler (`data_sampler`, a `MegatronDataSampler` with `dataloader_type='single'`); in `setup`, one that
+    builds no training dataset as `_train_ds` (NeMo's GPT data modules do), an iterable-style one, or samples that
+    are not tensors or str-keyed dicts / lists / tuples of them (checked on its first and last sample), under the
+    launcher or not. Everything else (the sampler, the tokenizer, the validation data, `state_dict`) is the wrapped
+    module's.
 
     Args:
         module: the user's data module.
@@ -201,6 +248,7 @@ class MmapDataModule(pl.LightningDataModule):
             raise ConfigError("MmapDataModule(module)", type(module).__name__,
                               "must be a LightningDataModule (a NeMo data module)",
                               "pass the data module itself, e.g. MmapDataModule(llm.MockDataModule(...))")
+        _check_sampler(module)
         self.module = module
         self.prefetch, self.lookback, self.cache_root = prefetch, lookback, cache_root
         self.loader: MmapBatchLoader | None = None
@@ -222,17 +270,16 @@ class MmapDataModule(pl.LightningDataModule):
     def setup(self, stage: str = "") -> None:
         self.module.trainer = self.trainer  # its setup may read the trainer (e.g. max_steps)
         self.module.setup(stage)
-        strategy: Any = self.trainer.strategy if self.trainer is not None else None
-        session = getattr(strategy, "_session", None)
         dataset = getattr(self.module, "_train_ds", None)
-        if session is None or dataset is None:
-            if session is not None:
-                log.warning("MmapDataModule: %s builds no `_train_ds` in setup; its batches are read directly",
-                            type(self.module).__name__)
-            return
+        if dataset is None and stage not in ("fit", ""):
+            return  # validate / test / predict only: no training dataset to serve
         if isinstance(dataset, CachedSamples):  # a module whose setup keeps its datasets (a re-entered fit)
             dataset = dataset.dataset
-        self.module._train_ds = self._cached(dataset, session)  # type: ignore[attr-defined]
+        _check_dataset(self.module, dataset)  # also when not under the launcher: the same error everywhere
+        strategy: Any = self.trainer.strategy if self.trainer is not None else None
+        session = getattr(strategy, "_session", None)
+        if session is not None:
+            self.module._train_ds = self._cached(dataset, session)  # type: ignore[attr-defined]
 
     def _cached(self, dataset: Any, session: Any) -> Any:
         from nemo_checkpointless.data.job import group_loader
@@ -242,12 +289,8 @@ class MmapDataModule(pl.LightningDataModule):
         dims = session.dims
         n = len(dataset)
         if not mb or n < mb * dims.dp:
-            return dataset
+            return dataset  # fewer samples than one micro-batch per DP rank: Megatron's sampler says so
         probe = [dataset[0], dataset[n - 1]]
-        if not all(_all_tensors(s) for s in probe):
-            log.warning("MmapDataModule: the samples of %s are not tensors (or dicts/lists of them); its batches are "
-                        "read directly", type(dataset).__name__)
-            return dataset
         plan = GlobalBatchPlan(n, mb, dims.dp, seed=0, shuffle=False)  # Megatron's pretraining order (DP excludes CP)
         # Names the data: the batches of another dataset, length or layout are never read from the cache.
         version = data_version(dataset=f"{type(dataset).__module__}.{type(dataset).__qualname__}", num_samples=n,

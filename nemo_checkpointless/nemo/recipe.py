@@ -19,7 +19,8 @@ What it changes, and nothing else:
   the DDP setting follow the optimizer's);
 - `trainer.callbacks` gets a `CheckpointlessCallback` (once);
 - with `mmap=True` (the default), `data` is wrapped in `MmapDataModule` (tier 2: its training batches through the
-  job's shared-memory cache; once).
+  job's shared-memory cache; once). A data module it cannot serve is refused with a `ConfigError` when the recipe
+  is built (e.g. NeMo's `FineTuningDataModule`: its sampler's `dataloader_type` is 'batch'); `mmap=False` keeps it.
 
 The recipe's data module keeps Megatron's data sampler, whose position the strategy restores in O(1) after a
 recovery; its checkpointing (`log.ckpt`) and `resume` stay the recipe's (the persistent checkpoint a job falls back
