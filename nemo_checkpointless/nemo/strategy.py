@@ -8,7 +8,9 @@ What it adds to `MegatronStrategy`:
   (the ranks our recovery plan copies a shard from);
 - a `MegatronParticipant` (`self.participant`) over the wrapped model and the distributed optimizer: its RNG
   snapshot is taken before every training step and its step count follows the optimizer steps, so the recovery
-  engine can read or replace this rank's shard at any step boundary.
+  engine can read or replace this rank's shard at any step boundary;
+- megatron's gradient reduction and clipping norm replaced by N-independent ones (`nemo.numerics`, for every N), so
+  runs with 1 and N optimizer instances train bitwise alike.
 
 Under `checkpointless-run` (or `checkpointless-train`), in-process replacement (`nemo.restart`): the strategy's
 session comes from the launcher's environment when `fit` starts (a hot spare waits there for its rank), and the
