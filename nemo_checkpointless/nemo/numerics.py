@@ -16,8 +16,10 @@ Runs with N=1 and N=2 thus end with different parameters. `install` replaces bot
   waited for in `finish_grad_sync`, for every N (no CUDA side stream);
 - the leaf optimizers' `get_grad_norm` / `clip_grad_norm` (and a `ChainedOptimizer`'s `get_grad_norm`): the norm
   is computed locally from the whole reduced gradients of this rank's model slice (the parameters megatron counts:
-  not shared, not a TP duplicate), in buffer order, then summed over the model-parallel group only (the same
-  ranks for every N). Clipping itself is megatron's (`clip_grad_by_total_norm_fp32`, elementwise).
+  not shared, not a TP duplicate), in buffer order, then summed over every rank, data-parallel rank 0 of each
+  slice contributing it and the others zeros (the same sum for every N; and, like megatron's own norm, a collective
+  no rank passes before every rank has finished the gradient reduction). Clipping itself is megatron's
+  (`clip_grad_by_total_norm_fp32`, elementwise).
 
 The cost: an all-reduce of the whole bucket instead of a reduce-scatter (N=1), on every rank.
 Not covered (`install` returns False and leaves megatron's own reduction): expert-parallel buffers (MoE), and
@@ -57,8 +59,6 @@ def install(model: Sequence[Any], optimizer: Any) -> bool:
     """Install the N-independent gradient reduction on every dense bucket group of `model`'s DDP chunks and the
     matching gradient norm on `optimizer` (NeMo's wrapper, a `ChainedOptimizer` or a `DistributedOptimizer`).
     Returns False (nothing changed) where it does not apply; see the module's docstring."""
-    from megatron.core import parallel_state
-
     chunks = ddp_chunks(model)
     for chunk in chunks:
         config = chunk.ddp_config
@@ -76,7 +76,7 @@ def install(model: Sequence[Any], optimizer: Any) -> bool:
                                    "gradient reduction (nemo_checkpointless.nemo.numerics) is built for 0.15.x")
             bucket_group.start_grad_sync = types.MethodType(_make_start(group), bucket_group)
             bucket_group.finish_grad_sync = types.MethodType(_finish_grad_sync, bucket_group)
-    norm = _make_grad_norm(chunks, parallel_state.get_model_parallel_group())
+    norm = _make_grad_norm(chunks, dist.get_rank(chunks[0].dp_cp_group) == 0)
     for target in megatron_optimizers(optimizer):
         target.get_grad_norm = norm
         if hasattr(target, "chained_optimizers"):
@@ -126,7 +126,7 @@ def _finish_grad_sync(self: Any) -> None:
     self.grad_reduce_handle = None
 
 
-def _make_grad_norm(chunks: list[Any], model_parallel_group: Any) -> Any:
+def _make_grad_norm(chunks: list[Any], contributes: bool) -> Any:
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
 
@@ -146,8 +146,14 @@ def _make_grad_norm(chunks: list[Any], model_parallel_group: Any) -> Any:
         else:
             squares = torch.zeros((), dtype=torch.float32)
         total = squares.reshape(1).to(grads[0].device if grads else "cpu")
-        if dist.get_world_size(model_parallel_group) > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=model_parallel_group)
+        if not contributes:
+            total.zero_()
+        # Over every rank (the default group): each model slice's sum counted once (data-parallel rank 0's; the
+        # other ranks add exact zeros, so the sum is that of the slices, in an order fixed by the world, not by
+        # N). Spanning every rank, it is also the collective no rank passes unless every rank finished its
+        # gradient reduction: a failure inside the reduction leaves no rank with an updated shard (as megatron's
+        # own norm over the grad-stats group does), which the survivors' boundary state relies on.
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return float(total.item()) ** 0.5
 
     return get_grad_norm
