@@ -80,12 +80,13 @@ def install(model: Sequence[Any], optimizer: Any) -> bool:
     for target in megatron_optimizers(optimizer):
         target.get_grad_norm = norm
         if hasattr(target, "chained_optimizers"):
-            continue  # ChainedOptimizer.step clips each leaf with the norm from its own get_grad_norm
+            continue  # ChainedOptimizer.step takes the norm from its own get_grad_norm, then clips each leaf
         target.clip_grad_norm = types.MethodType(_make_clip(norm), target)
     return True
 
 
 def megatron_optimizers(optimizer: Any) -> list[Any]:
+    """`optimizer` unwrapped (NeMo's `mcore_optimizer`), then a `ChainedOptimizer` followed by its leaves."""
     if hasattr(optimizer, "mcore_optimizer"):
         return megatron_optimizers(optimizer.mcore_optimizer)
     if hasattr(optimizer, "chained_optimizers"):
