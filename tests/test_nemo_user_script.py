@@ -12,10 +12,12 @@
   replacement's first micro-batch comes from the cache, and it ends equal to the bare module's fault-free run of the
   same layout; with TP=2, both replicas of one slice lost at once fall back to the persistent checkpoint (one file
   per slice) and end equal too;
+- one and two optimizer instances (N=1, N=2; DP=4), fault-free, end with the same `state_sha256`, and the
+  parameters moved from their initial values;
 - a strategy and a callback that do not pair (NeMo's own `MegatronStrategy` with our callback; our strategy without
   it) stop the job before training with one message.
 
-Nine launches (~40-60 s each on 2 cores). Skipped without the [nemo] extra.
+Eleven launches (~40-60 s each on 2 cores). Skipped without the [nemo] extra.
 """
 
 from __future__ import annotations
@@ -155,3 +157,21 @@ def test_a_strategy_and_callback_that_do_not_pair_stop_before_training(flag: str
     assert proc.returncode != 0 and "failed before training" in log, log[-3000:]
     assert message in log, log[-3000:]
     assert not list((tmp_path / "bad").glob("progress_rank*.txt")), "a rank trained"
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_one_and_two_optimizer_instances_end_with_the_same_state(tmp_path: Path) -> None:
+    """N=1 and N=2 (DP=4), fault-free: the same `state_sha256` (`nemo.numerics`: one gradient all-reduce over the
+    whole data-parallel group and a locally computed norm, whatever N), and the parameters moved from init."""
+    runs = {}
+    for n in (1, 2):
+        run_dir = tmp_path / f"n{n}"
+        runs[n] = _finish(_launch(run_dir, script_args=("--instances", str(n), "--params-digest")), run_dir)
+        assert runs[n]["final_step"] == STEPS and runs[n]["recoveries"] == []
+        for r in range(4):
+            digests = json.loads((run_dir / f"params_rank{r}.json").read_text())
+            assert digests["init"] != digests["final"], (n, r)
+    assert runs[1]["data_sha256"] == runs[2]["data_sha256"]
+    assert runs[1]["state_sha256"] == runs[2]["state_sha256"]
+    for r in range(4):
+        assert runs[1]["ranks"][r]["params_sha256"] == runs[2]["ranks"][r]["params_sha256"], r

@@ -8,7 +8,9 @@ What it adds to `MegatronStrategy`:
   (the ranks our recovery plan copies a shard from);
 - a `MegatronParticipant` (`self.participant`) over the wrapped model and the distributed optimizer: its RNG
   snapshot is taken before every training step and its step count follows the optimizer steps, so the recovery
-  engine can read or replace this rank's shard at any step boundary.
+  engine can read or replace this rank's shard at any step boundary;
+- megatron's gradient reduction and clipping norm replaced by N-independent ones (`nemo.numerics`, for every N), so
+  runs with 1 and N optimizer instances train bitwise alike.
 
 Under `checkpointless-run` (or `checkpointless-train`), in-process replacement (`nemo.restart`): the strategy's
 session comes from the launcher's environment when `fit` starts (a hot spare waits there for its rank), and the
@@ -41,6 +43,7 @@ from nemo.lightning import MegatronStrategy  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
 from nemo_checkpointless.errors import ConfigError  # noqa: E402
+from nemo_checkpointless.nemo import numerics  # noqa: E402
 from nemo_checkpointless.nemo.adapter import MegatronParticipant  # noqa: E402
 from nemo_checkpointless.nemo.data import RecordingIterator, publish_step_digest  # noqa: E402
 from nemo_checkpointless.nemo.restart import NEMO_DEFAULT_SEED, InProcessLauncher  # noqa: E402
@@ -112,6 +115,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.num_instances = num_instances
         self.global_batch_size = global_batch_size
         self.participant: MegatronParticipant | None = None
+        self.n_independent = False  # whether `nemo.numerics` replaced megatron's gradient reduction (at setup)
         self.dims: ParallelDims | None = None
         self.pg_timeout_s = pg_timeout_s
         self._checkpoint_every_arg, self._checkpoint_dir_arg = checkpoint_every_n_steps, checkpoint_dir
@@ -279,6 +283,8 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         if not self.global_batch_size and self.data_sampler is not None:
             self.global_batch_size = int(getattr(self.data_sampler, "global_batch_size", 0) or 0)
         info = rank_info(self.dims, self.global_rank)
+        # The same gradient summation order and norm for every N (`nemo.numerics`), N=1 included.
+        self.n_independent = numerics.install(list(self.megatron_parallel), self.optimizers[0])
         self.participant = MegatronParticipant(
             list(self.megatron_parallel), self.optimizers[0], dp_size=self.dims.dp_cp,
             num_instances=self.num_instances, shard_index=info.shard_index, tp_rank=info.tp_rank,

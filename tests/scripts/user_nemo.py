@@ -12,7 +12,12 @@ their kills by it); the callback writes the digests the tests compare with a fau
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
+import statistics
+import time
+from typing import Any
 
 import torch
 
@@ -28,7 +33,7 @@ from nemo.collections import llm
 from nemo.collections.llm.gpt.model.llama import Llama3Config
 from nemo.lightning.pytorch.optim import CosineAnnealingScheduler
 
-from nemo_checkpointless.nemo import CheckpointlessCallback, CheckpointlessMegatronStrategy, MmapDataModule
+from nemo_checkpointless.nemo import CheckpointlessCallback, CheckpointlessMegatronStrategy, MmapDataModule, numerics
 
 
 class ByteVocabulary:
@@ -56,6 +61,63 @@ class Progress(pl.Callback):
         os.replace(path + ".tmp", path)
 
 
+class ParamsDigest(pl.Callback):
+    """`--params-digest`: the sha256 of this rank's model parameters when training starts and when it ends
+    (RUN_DIR/params_rank<r>.json), so a test can tell the parameters moved."""
+
+    def __init__(self) -> None:
+        self.record: dict[str, str] = {}
+
+    @staticmethod
+    def _digest(pl_module: pl.LightningModule) -> str:
+        h = hashlib.sha256()
+        for name, p in pl_module.named_parameters():
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.record.setdefault("init", self._digest(pl_module))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.record["final"] = self._digest(pl_module)
+        path = os.path.join(os.environ.get("NCL_RUN_DIR", "."), f"params_rank{trainer.global_rank}.json")
+        with open(path, "w") as f:
+            json.dump(self.record, f)
+
+
+class AlternateReduction(pl.Callback):
+    """`--ab-reduction`: a timing run. Odd steps run with megatron-core's own gradient reduction and norm, even
+    steps with `nemo.numerics`' (N-independent); each step's wall time is recorded and rank 0 prints the medians
+    of the steps after the first four (the warm-up) and their ratio. Its parameters are not those of either."""
+
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        self.times: dict[str, list[float]] = {"ours": [], "megatron": []}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        strategy: Any = trainer.strategy
+        chunks = numerics.ddp_chunks(list(strategy.megatron_parallel))
+        optimizers = numerics.megatron_optimizers(strategy.optimizers[0])
+        for obj in [bg for c in chunks for bg in c.bucket_groups] + optimizers:  # back to megatron's methods
+            for name in ("start_grad_sync", "finish_grad_sync", "get_grad_norm", "clip_grad_norm"):
+                obj.__dict__.pop(name, None)
+        if trainer.global_step % 2 == 0:
+            numerics.install(list(strategy.megatron_parallel), strategy.optimizers[0])
+        self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        step = trainer.global_step  # already counted: the step just run was step - 1
+        if step > 4:
+            self.times["ours" if (step - 1) % 2 == 0 else "megatron"].append(time.perf_counter() - self.t0)
+
+    def on_train_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_rank == 0:
+            ours, theirs = (statistics.median(self.times[k]) for k in ("ours", "megatron"))
+            print(f"step time: ours {ours * 1e3:.1f} ms, megatron's {theirs * 1e3:.1f} ms, ratio {ours / theirs:.3f} "
+                  f"({len(self.times['ours'])} + {len(self.times['megatron'])} steps)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-steps", type=int, default=12)
@@ -64,6 +126,8 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=2, help="num_distributed_optimizer_instances")
     parser.add_argument("--mmap", action="store_true", help="tier 2: the data module wrapped in MmapDataModule")
     parser.add_argument("--plain-strategy", action="store_true", help="bad input: NeMo's own MegatronStrategy")
+    parser.add_argument("--params-digest", action="store_true", help="write the params' sha256 at start and end")
+    parser.add_argument("--ab-reduction", action="store_true", help="timing: alternate megatron's reduction and ours")
     parser.add_argument("--no-callback", action="store_true", help="bad input: our strategy without our callback")
     args = parser.parse_args()
     cpu = not torch.cuda.is_available()
@@ -93,6 +157,8 @@ def main() -> None:
     strategy = (nl.MegatronStrategy(**parallel) if args.plain_strategy else
                 CheckpointlessMegatronStrategy(num_distributed_optimizer_instances=args.instances, **parallel))
     callbacks = [Progress()] if args.no_callback else [CheckpointlessCallback(), Progress()]
+    callbacks += [ParamsDigest()] if args.params_digest else []
+    callbacks += [AlternateReduction()] if args.ab_reduction else []
     trainer = nl.Trainer(accelerator="cpu" if cpu else "gpu", devices=4, num_nodes=1, max_steps=args.max_steps,
                          strategy=strategy, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
