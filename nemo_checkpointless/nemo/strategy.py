@@ -27,8 +27,10 @@ recovery engine), and the data position and Lightning's counters start at its st
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -229,7 +231,8 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
             calls.append(1)
             if self.pg_timeout_s is not None:
                 kwargs["distributed_timeout_minutes"] = self.pg_timeout_s / 60
-            return original(*args, **kwargs)
+            with one_gloo_group_per_member_set():
+                return original(*args, **kwargs)
 
         if self.pg_timeout_s is not None:
             os.environ["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] = str(max(1, round(self.pg_timeout_s)))
@@ -353,6 +356,37 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         """Where this rank is in its step, for the launcher's progress watchdog (no session: nobody watches)."""
         if self._session is not None:
             self._session.beacon.mark(step, phase)
+
+
+@contextlib.contextmanager
+def one_gloo_group_per_member_set() -> Iterator[None]:
+    """While megatron-core creates its groups: a gloo group asked for again with the same members, timeout and no
+    options is the group made the first time. Megatron asks for 66 groups with 4 ranks (19 distinct member sets;
+    each rank's own one-rank group 10 times, the world 5 times), each a connect through the launcher's store, and
+    every generation's `fit` makes them again. Safe because every member of a group runs the same sequence of
+    collectives on it whichever of megatron's names it uses (all ranks make the same calls in the same order, so
+    the groups' names and store keys still agree). Groups of another backend (NCCL, created lazily) or with
+    options are made as asked."""
+    original = dist.new_group
+    made: dict[tuple[Any, ...], Any] = {}
+
+    def new_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_options: Any = None,
+                  use_local_synchronization: bool = False, group_desc: str | None = None, **rest: Any) -> Any:
+        args = dict(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options,
+                    use_local_synchronization=use_local_synchronization, group_desc=group_desc, **rest)
+        name = str(backend) if backend is not None else str(dist.get_backend())
+        if rest or pg_options is not None or use_local_synchronization or name.lower() != "gloo":
+            return original(**args)
+        key = (tuple(sorted(ranks)) if ranks is not None else None, timeout)
+        if key not in made:
+            made[key] = original(**args)
+        return made[key]
+
+    dist.new_group = new_group  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dist.new_group = original
 
 
 def _distributed_optimizer_ddp() -> Any:
