@@ -14,7 +14,13 @@ import pytest
 
 from nemo_checkpointless.config import Config
 from nemo_checkpointless.launcher.local import _Job, _Proc, host_store, start_process
-from nemo_checkpointless.launcher.procs import REFILL_NICE, may_restore_priority, restore_priority
+from nemo_checkpointless.launcher.procs import (
+    REFILL_NICE,
+    dying_status,
+    may_restore_priority,
+    proc_state,
+    restore_priority,
+)
 
 RANK = """
 import os, signal, sys, datetime
@@ -65,3 +71,32 @@ def test_a_refilled_spare_runs_niced_until_it_takes_a_rank(tmp_path: Path) -> No
         popen.wait()
         assert out is not None
         out.close()
+
+
+def _zombie(code: str) -> subprocess.Popen[bytes]:
+    """A child that ran `code` and exited, left unreaped: its exit has begun (and ended) but `wait` was not called."""
+    popen = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 60
+    while (state := proc_state(popen.pid)) is None or state[0] != "Z":
+        assert time.monotonic() < deadline, f"{code!r} did not exit"
+        time.sleep(0.01)
+    return popen
+
+
+def test_a_dying_process_shows_its_failure_before_it_can_be_reaped() -> None:
+    # The launcher declares a fault from /proc as soon as a rank's exit begins (`dying_status`), not once the kernel
+    # has freed its memory (0.19 s for a 0.9 GB rank here). Read here in the state a zombie keeps of its exit.
+    cases = {"import os, signal; os.kill(os.getpid(), signal.SIGKILL)": -9,
+             "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)": -11,
+             "raise SystemExit(3)": 3,
+             "pass": None}  # an exit 0 is left to `poll`: a finished rank, or one that left early (`left_early`)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert dying_status(live.pid) is None
+        for code, expected in cases.items():
+            popen = _zombie(code)
+            assert dying_status(popen.pid) == expected, code
+            assert popen.wait() == (expected or 0)  # the status it is reaped with is the one read before
+    finally:
+        live.kill()
+        live.wait()

@@ -186,6 +186,8 @@ class _Job:
     ranks: dict[int, _Proc] = field(default_factory=dict)
     spares: dict[int, _Proc] = field(default_factory=dict)
     pids: dict[int, list[_Proc]] = field(default_factory=dict)  # every process that was rank r, in order
+    # Processes replaced while the kernel was still tearing them down (`procs.exit_status`): reaped once it is done.
+    exiting: list[_Proc] = field(default_factory=list)
     factory: SpareFactory | None = None
     faults: list[dict[str, Any]] = field(default_factory=list)
     next_spare: int = 0
@@ -354,6 +356,7 @@ class _Job:
             # job grows back when they are ready, `tick`).
             for rank in failed:
                 dead = self.ranks.pop(rank)
+                self.exiting.append(dead)
                 if dead.out is not None:
                     dead.out.close()
                 how[rank] = "none: the job shrank"
@@ -364,6 +367,7 @@ class _Job:
             self.refill += max(0, len(failed) - len([p for p in self.spares.values() if p.popen.poll() is None]))
         for rank in [] if reshape == "shrink" else list(self.ranks) if restart_all else failed:
             dead = self.ranks.pop(rank)
+            self.exiting.append(dead)
             if dead.out is not None:
                 dead.out.close()
             if restart_all:
@@ -510,7 +514,7 @@ class _Job:
         """Each rank's exit code (None: running). A process that died after its training ended and its results were
         written (`finished_key`; e.g. killed while the interpreter exits) counts as finished: 0. One that exited 0
         before that, in a job that recovers in process, keeps its 0 but is a failure (`left_early`)."""
-        codes = {r: p.popen.poll() for r, p in self.ranks.items()}
+        codes = {r: procs.exit_status(p.popen) for r, p in self.ranks.items()}
         for r, c in codes.items():
             if c not in (None, 0) and self.store.check([finished_key(self.ranks[r].popen.pid)]):
                 if r not in self.finished_late:
@@ -669,6 +673,7 @@ class _Job:
     def tick(self) -> bool:
         """One poll of the job: a failed rank is replaced, hangs are looked for, spares refilled once a recovery
         is done, a shrunk world grown back. True once every rank (that trains) finished."""
+        self.exiting = [p for p in self.exiting if p.popen.poll() is None]
         codes = self.exit_codes()
         for rank in [r for r in self.parked if codes.get(r) is not None]:
             # A parked rank that dies interrupts nobody: it is one more rank the job grows back with a spare.
@@ -676,7 +681,7 @@ class _Job:
                   file=sys.stderr, flush=True)
             self.parked.discard(rank)
             self.missing.add(rank)
-            self.ranks.pop(rank)
+            self.exiting.append(self.ranks.pop(rank))
             del codes[rank]
             self.refill += 1
         failed = [r for r, c in codes.items() if c not in (None, 0) or self.left_early(r, c)]
@@ -796,6 +801,6 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None,
     finally:
         if job.factory is not None:
             job.factory.close()  # forks nothing more: every spare's pid is known below
-        stop_processes([*job.ranks.values(), *job.spares.values()])
+        stop_processes([*job.ranks.values(), *job.spares.values(), *job.exiting])
         remove_job_cache(cfg.data.cache_root, job_id)  # every rank has exited: nobody reads it any more
     return job.summary(round(time.perf_counter() - t0, 3))

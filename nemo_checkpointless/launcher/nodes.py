@@ -53,7 +53,7 @@ from nemo_checkpointless.launcher.local import (
     start_process,
     stop_processes,
 )
-from nemo_checkpointless.launcher.procs import proc_state
+from nemo_checkpointless.launcher.procs import exit_status, proc_state
 from nemo_checkpointless.launcher.watchdog import Reader
 from nemo_checkpointless.protocol import GENERATION_KEY, JOB_ID_KEY, SPARE_ID_ENV
 from nemo_checkpointless.restart.progress import Beacon, parse_beacon, read_beacon_bytes
@@ -581,7 +581,7 @@ class NodeAgent:
             self.execute(json.loads(self.store.get(node_key(me, f"cmd/{seq}"))))
         self.done_cmds = n
         for uid, proc in self.procs.items():
-            if self.codes[uid][1] is None and (code := proc.popen.poll()) is not None:
+            if self.codes[uid][1] is None and (code := exit_status(proc.popen)) is not None:
                 self.codes[uid][1] = code
                 if proc.out is not None:
                     proc.out.close()

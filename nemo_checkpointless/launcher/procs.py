@@ -8,6 +8,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from nemo_checkpointless.protocol import RUN_DIR_ENV, SPARE_ID_ENV
 
@@ -50,6 +51,36 @@ def proc_state(pid: int) -> tuple[str, float] | None:
         return (fields[0], (int(fields[11]) + int(fields[12])) / _TICK) if fields else None
     except (IndexError, ValueError):
         return None
+
+
+PF_EXITING = 0x4  # a task's flag (/proc/<pid>/stat, field 9) from the moment its exit begins
+
+
+def dying_status(pid: int) -> int | None:
+    """The status a process that has begun to exit will be reaped with, as `Popen.returncode` gives it (-N: killed
+    by signal N), when that is a failure; None while it runs, when it exits 0 or when /proc does not say.
+
+    The kernel sets the flag and the exit code (field 52) before it frees the process's memory, and a parent can
+    reap it, or its peers see its sockets close, only after: for a rank of 0.9 GB that took 0.19 s on a loaded
+    2-core machine, for a GPU process with its CUDA context longer. A failure is known at the start of that."""
+    fields = _stat(pid)
+    try:
+        if fields is None or not int(fields[6]) & PF_EXITING:
+            return None
+        code = int(fields[49])
+    except (IndexError, ValueError):  # a kernel before 3.5 has no exit code field
+        return None
+    if code == 0:
+        return None
+    return -(code & 0x7F) if code & 0x7F else code >> 8
+
+
+def exit_status(proc: Any) -> int | None:
+    """`proc.poll()`; for a process still being torn down, the failure it is exiting with (`dying_status`)."""
+    code: int | None = proc.poll()
+    if code is None and proc.pid > 0:
+        code = dying_status(proc.pid)
+    return code
 
 
 def _parent(pid: int) -> int:
