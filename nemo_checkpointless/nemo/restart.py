@@ -25,7 +25,7 @@ import gc
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -86,6 +86,7 @@ class InProcessLauncher(_Launcher):
             strategy.begin_generation(resume)
             resume = None
             watch = FaultWatch(session.store, generation, keep_ports={session.env.store_port})
+            strategy.fault_watch = watch
             try:
                 with watch:
                     return function(*args, **kwargs)
@@ -412,7 +413,8 @@ class ReceivedState:
 
 class FaultWatch:
     """While `fit` runs: when the launcher declares this generation failed (`FAULT_KEY`), make every collective
-    stuck in the default group's sockets fail at once, instead of after the gloo timeout.
+    stuck in the default group's sockets fail at once, instead of after the gloo timeout, and stop the step's
+    computation where it is.
 
     On gloo only the dead rank's ring neighbours see the crash; the other survivors wait in a collective that
     `abort()` does not interrupt. This thread shuts down (`shutdown(SHUT_RDWR)`) this process's connected TCP
@@ -420,6 +422,15 @@ class FaultWatch:
     raises and the rank leaves `fit`. It acts only while `active` (cleared by the main thread, under the lock,
     as soon as `fit` has returned or raised), so it never touches the next generation's sockets. Linux only
     (/proc/self/fd); elsewhere the gloo timeout stays the detector.
+
+    A survivor that is computing when the fault is declared would only meet a closed socket at its next
+    collective: with data parallelism alone that is the end of the backward, most of a step later. Inside
+    `interruptible()` (the strategy opens it around the forward and backward, where no parameter, optimizer
+    state, RNG snapshot or counter is written: a step interrupted there is redone whole) this thread also raises
+    `PeerFailure` in the training thread (`PyThreadState_SetAsyncExc`), which Python delivers between two
+    bytecodes: the rank leaves `fit` within one torch operation. Outside the section nothing is raised, and a
+    raise that was pending when the section closed is taken back and raised by the section itself, so it never
+    lands in the optimizer step.
     """
 
     def __init__(self, store: Any, generation: int, keep_ports: set[int], poll_s: float = 0.01) -> None:
@@ -430,6 +441,8 @@ class FaultWatch:
         self.active = True
         self.fired_t: float | None = None
         self.closed = 0
+        self._section: int | None = None  # the training thread's id while it is inside `interruptible()`
+        self.interrupted = False  # a `PeerFailure` was raised in the training thread
         self._thread = threading.Thread(target=self._run, name="ncl-fault-watch", daemon=True)
 
     def __enter__(self) -> FaultWatch:
@@ -439,6 +452,25 @@ class FaultWatch:
     def __exit__(self, *exc: object) -> None:
         with self.lock:
             self.active = False
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """The training thread's computation that a declared fault may stop where it is (see the class)."""
+        import threading
+
+        with self.lock:
+            if self.fired_t is not None:
+                raise PeerFailure("the launcher declared a peer failed")
+            self._section = threading.get_ident()
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._section = None
+                interrupted = self.interrupted
+            if interrupted:
+                _set_async_exc(threading.get_ident(), None)  # still pending (not yet delivered): taken back
+                raise PeerFailure("the launcher declared a peer failed while this rank was computing")
 
     def _run(self) -> None:
         import time
@@ -452,9 +484,20 @@ class FaultWatch:
                 if fault_generation(self.store) >= self.generation:
                     self.fired_t = time.time()
                     self.closed = _shutdown_sockets(self.keep_ports)
+                    if self._section is not None:
+                        self.interrupted = _set_async_exc(self._section, PeerFailure) == 1
                     self.active = False
                     return
             time.sleep(self.poll_s)
+
+
+def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> int:
+    """Raise `exc` in thread `thread_id` at its next bytecode (None: take back a raise not yet delivered); the number
+    of threads it reached."""
+    import ctypes
+
+    arg = ctypes.py_object(exc) if exc is not None else ctypes.c_void_p(0)
+    return int(ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), arg))
 
 
 def _shutdown_sockets(keep_ports: set[int]) -> int:

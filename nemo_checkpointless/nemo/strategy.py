@@ -48,7 +48,7 @@ from nemo_checkpointless.errors import ConfigError  # noqa: E402
 from nemo_checkpointless.nemo import numerics  # noqa: E402
 from nemo_checkpointless.nemo.adapter import MegatronParticipant  # noqa: E402
 from nemo_checkpointless.nemo.data import RecordingIterator, publish_step_digest  # noqa: E402
-from nemo_checkpointless.nemo.restart import NEMO_DEFAULT_SEED, InProcessLauncher  # noqa: E402
+from nemo_checkpointless.nemo.restart import NEMO_DEFAULT_SEED, FaultWatch, InProcessLauncher  # noqa: E402
 from nemo_checkpointless.protocol import LAYOUT_ENV, NUM_INSTANCES_ENV, STORE_PORT_ENV  # noqa: E402
 from nemo_checkpointless.restart import progress  # noqa: E402
 from nemo_checkpointless.restart.session import Session  # noqa: E402
@@ -128,6 +128,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.resume_step = 0
         self.groups_s = 0.0  # how long the last `setup_distributed` took (default group + megatron's groups)
         self.reentry: dict[str, float] = {}  # times of the phases of the last re-entry into `fit`
+        self.fault_watch: FaultWatch | None = None  # this generation's, set by the launcher (`nemo.restart`)
         self._position_from_resume = False
 
     # ------------------------------------------------------------------------------------------ the session
@@ -336,8 +337,11 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
             self._mark(step, progress.CHECKPOINT)
             checkpoints.save_shard(step, info.checkpoint_slot, *self.participant.boundary_state())
         self._mark(step + 1, progress.FORWARD)
-        # Each micro-batch the step consumes is hashed as Megatron's schedule draws it (the data record).
-        out = super().training_step(RecordingIterator(dataloader_iter), *args, **kwargs)
+        # Each micro-batch the step consumes is hashed as Megatron's schedule draws it (the data record). A fault
+        # declared during the forward and backward stops them where they are (`FaultWatch.interruptible`).
+        watch = self.fault_watch
+        with watch.interruptible() if watch is not None else contextlib.nullcontext():
+            out = super().training_step(RecordingIterator(dataloader_iter), *args, **kwargs)
         if self._session is not None:
             publish_step_digest(self._session.store, step + 1, self._session.env.rank)
         self._mark(step + 1, progress.BACKWARD_DONE)
