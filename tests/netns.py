@@ -4,6 +4,7 @@ SIGKILL as a lost node. Needs root and `ip netns`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -12,6 +13,8 @@ import uuid
 from pathlib import Path
 
 from harness import child_env
+
+from nemo_checkpointless.launcher.procs import proc_state
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBNET = "10.231.0"
@@ -70,7 +73,18 @@ class Fabric:
         return [int(p) for p in out.split()]
 
     def kill_node(self, name: str) -> int:
-        """SIGKILL every process of the namespace, at once and until none is left; returns how many."""
+        """SIGKILL every process of the namespace, at once and until none is left; returns how many.
+
+        Every process is stopped (SIGSTOP) before any is killed, as a node that vanishes says nothing more: else
+        its agent, killed a moment after its ranks, could still report their exits (the launcher reads an exit
+        from /proc as soon as it begins)."""
+        pids = self.pids(name)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any((proc_state(p) or ("T",))[0] not in "TZX" for p in pids):
+            time.sleep(0.001)
         killed: set[int] = set()
         for _ in range(50):
             pids = self.pids(name)

@@ -158,6 +158,14 @@ class _Proc:
     out: IO[bytes] | None
 
 
+def _exit_status(popen: subprocess.Popen[bytes] | ForkedSpare | ProcessHandle) -> int | None:
+    """A process of this machine: its exit code, or the failure it is exiting with (`procs.exit_status`). One on
+    another node: what its agent reported (the agent reads that node's /proc; a pid means nothing here)."""
+    if isinstance(popen, (subprocess.Popen, ForkedSpare)):
+        return procs.exit_status(popen)
+    return popen.poll()
+
+
 def stop_processes(procs: list[_Proc]) -> None:
     """SIGKILL every process still running, then reap them all and close their logs."""
     for p in procs:
@@ -514,7 +522,7 @@ class _Job:
         """Each rank's exit code (None: running). A process that died after its training ended and its results were
         written (`finished_key`; e.g. killed while the interpreter exits) counts as finished: 0. One that exited 0
         before that, in a job that recovers in process, keeps its 0 but is a failure (`left_early`)."""
-        codes = {r: procs.exit_status(p.popen) for r, p in self.ranks.items()}
+        codes = {r: _exit_status(p.popen) for r, p in self.ranks.items()}
         for r, c in codes.items():
             if c not in (None, 0) and self.store.check([finished_key(self.ranks[r].popen.pid)]):
                 if r not in self.finished_late:
