@@ -54,6 +54,13 @@ from nemo_checkpointless.protocol import DEVICE_PLANE_ENV, FAULT_KEY, alive_key,
 __all__ = ["FAULT_KEY", "CollectiveTimeout", "Group", "Membership", "PeerFailure", "alive_key", "hang_key"]
 
 POLL_S = 0.005
+# How long a collective in flight may still complete once the launcher has declared a fault. The launcher declares it
+# as soon as the dead rank's exit begins (`launcher.procs.exit_status`), before its sockets close, so a collective
+# among live ranks may be a few milliseconds (on a loaded machine, tens) from completing: without this, a rank in
+# its instance's parameter all-gather with a live partner left it a step behind, and a recovery that could roll
+# forward went to the checkpoint. A collective that waits on the dead rank fails after this (or at once, by the
+# closed socket, on its ring neighbours).
+FAULT_GRACE_S = 0.2
 
 # This process's device-plane use: collectives completed there, and waits that ended in a failure (the tests read
 # it; `device_plane_stats`).
@@ -175,12 +182,17 @@ class Group:
         deadline, next_check = now + self.timeout_s, now + POLL_S
         # Short sleeps, doubling up to 1 ms: a completed collective is seen within a millisecond (the step waits on
         # it); the store is asked for the fault key every POLL_S only.
+        # After the fault is declared, the collective still has FAULT_GRACE_S to complete: one among live ranks
+        # does, and a rank that completes its step's last collective is not counted a step behind.
         pause = 5e-5
+        fault_seen: float | None = None
         while not work.is_completed():
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + POLL_S
-                if fault_generation(self.store) >= self.generation:
+                if fault_seen is None and fault_generation(self.store) >= self.generation:
+                    fault_seen = now
+                if fault_seen is not None and now - fault_seen >= FAULT_GRACE_S:
                     return PeerFailure(f"{what}: the launcher reported a failed rank (generation "
                                        f"{self.generation})")
                 if now > deadline:
@@ -253,8 +265,11 @@ class Group:
     def _poll(self, done: threading.Event, what: str) -> PeerFailure | None:
         """Wait for `done` in `POLL_S` slices, checking the fault key between slices, up to the timeout."""
         deadline = time.monotonic() + self.timeout_s
+        fault_seen: float | None = None
         while not done.wait(POLL_S):
-            if fault_generation(self.store) >= self.generation:
+            if fault_seen is None and fault_generation(self.store) >= self.generation:
+                fault_seen = time.monotonic()
+            if fault_seen is not None and time.monotonic() - fault_seen >= FAULT_GRACE_S:  # as `_poll_work`
                 return PeerFailure(f"{what}: the launcher reported a failed rank (generation {self.generation})")
             if time.monotonic() > deadline:
                 return CollectiveTimeout(f"{what}: no progress in {self.timeout_s:.0f} s "
