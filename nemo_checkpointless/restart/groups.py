@@ -79,6 +79,19 @@ class CollectiveTimeout(PeerFailure):
     """A collective made no progress within the timeout and nobody reported a death: some rank hangs."""
 
 
+class _DeclaredFault:
+    """The launcher's fault declaration as one wait sees it: due `FAULT_GRACE_S` after the wait first read it."""
+
+    def __init__(self, store: Any, generation: int) -> None:
+        self.store, self.generation = store, generation
+        self.seen: float | None = None
+
+    def due(self, now: float) -> bool:
+        if self.seen is None and fault_generation(self.store) >= self.generation:
+            self.seen = now
+        return self.seen is not None and now - self.seen >= FAULT_GRACE_S
+
+
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """A client of the launcher's store (every worker and spare is a client; the launcher is the server)."""
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
@@ -185,14 +198,12 @@ class Group:
         # After the fault is declared, the collective still has FAULT_GRACE_S to complete: one among live ranks
         # does, and a rank that completes its step's last collective is not counted a step behind.
         pause = 5e-5
-        fault_seen: float | None = None
+        fault = _DeclaredFault(self.store, self.generation)
         while not work.is_completed():
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + POLL_S
-                if fault_seen is None and fault_generation(self.store) >= self.generation:
-                    fault_seen = now
-                if fault_seen is not None and now - fault_seen >= FAULT_GRACE_S:
+                if fault.due(now):
                     return PeerFailure(f"{what}: the launcher reported a failed rank (generation "
                                        f"{self.generation})")
                 if now > deadline:
@@ -265,11 +276,9 @@ class Group:
     def _poll(self, done: threading.Event, what: str) -> PeerFailure | None:
         """Wait for `done` in `POLL_S` slices, checking the fault key between slices, up to the timeout."""
         deadline = time.monotonic() + self.timeout_s
-        fault_seen: float | None = None
+        fault = _DeclaredFault(self.store, self.generation)
         while not done.wait(POLL_S):
-            if fault_seen is None and fault_generation(self.store) >= self.generation:
-                fault_seen = time.monotonic()
-            if fault_seen is not None and time.monotonic() - fault_seen >= FAULT_GRACE_S:  # as `_poll_work`
+            if fault.due(time.monotonic()):
                 return PeerFailure(f"{what}: the launcher reported a failed rank (generation {self.generation})")
             if time.monotonic() > deadline:
                 return CollectiveTimeout(f"{what}: no progress in {self.timeout_s:.0f} s "
