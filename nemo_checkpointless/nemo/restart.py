@@ -431,6 +431,12 @@ class FaultWatch:
     bytecodes: the rank leaves `fit` within one torch operation. Outside the section nothing is raised, and a
     raise that was pending when the section closed is taken back and raised by the section itself, so it never
     lands in the optimizer step.
+
+    Outside the section (in the optimizer step, between steps) the sockets are shut only `FAULT_GRACE_S` after the
+    declaration, or as soon as the rank enters the section (which then raises). The fault is declared as the dead
+    rank's exit begins: a rank still receiving the end of the parameter all-gather that the dead rank completed
+    finishes it, and stops at the next step's boundary with its partners (measured: without the grace, a kill at
+    a step's start left two survivors one step behind, and the recovery went to the checkpoint).
     """
 
     def __init__(self, store: Any, generation: int, keep_ports: set[int], poll_s: float = 0.01) -> None:
@@ -460,6 +466,9 @@ class FaultWatch:
 
         with self.lock:
             if self.fired_t is not None:
+                if self.active:  # within the grace: the peers still waiting on this rank are released now
+                    self.closed = _shutdown_sockets(self.keep_ports)
+                    self.active = False
                 raise PeerFailure("the launcher declared a peer failed")
             self._section = threading.get_ident()
         try:
@@ -473,16 +482,20 @@ class FaultWatch:
                 raise PeerFailure("the launcher declared a peer failed while this rank was computing")
 
     def _run(self) -> None:
-        import time
+        from nemo_checkpointless.restart.groups import FAULT_GRACE_S, fault_generation
 
-        from nemo_checkpointless.restart.groups import fault_generation
-
+        due: float | None = None  # when the sockets are shut if the training thread stays outside the section
         while True:
             with self.lock:
                 if not self.active:
                     return
-                if fault_generation(self.store) >= self.generation:
+                now = time.monotonic()
+                if due is None and fault_generation(self.store) >= self.generation:
                     self.fired_t = time.time()
+                    due = now + FAULT_GRACE_S
+                if due is not None and (self._section is not None or now >= due):
+                    # Computing: stopped now (its step is redone whole). In a collective outside the section (the
+                    # optimizer's parameter all-gather): it had FAULT_GRACE_S to complete among live ranks.
                     self.closed = _shutdown_sockets(self.keep_ports)
                     if self._section is not None:
                         self.interrupted = _set_async_exc(self._section, PeerFailure) == 1
