@@ -282,7 +282,11 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
                               "CheckpointlessMegatronStrategy needs CheckpointlessCallback (the per-step record of "
                               "what each rank trained on, the recovery records, the run summary)",
                               "add CheckpointlessCallback() to the trainer's callbacks")
-        super().setup(trainer)
+        # A fit that starts from a state (a survivor's own, a replacement's received one, a checkpoint's) overwrites
+        # every parameter once the model exists: megatron's initialisation of the model it builds is skipped.
+        skip_init = self.resume is not None
+        with _without_initialization(trainer.lightning_module) if skip_init else contextlib.nullcontext():
+            super().setup(trainer)
         assert self.dims is not None
         if not self.global_batch_size and self.data_sampler is not None:
             self.global_batch_size = int(getattr(self.data_sampler, "global_batch_size", 0) or 0)
@@ -391,6 +395,23 @@ def one_gloo_group_per_member_set() -> Iterator[None]:
         yield
     finally:
         dist.new_group = original
+
+
+@contextlib.contextmanager
+def _without_initialization(module: Any) -> Iterator[None]:
+    """megatron's `perform_initialization` off on the model's config while its model is built (its params then
+    hold whatever memory they got until the state is loaded: `MegatronParticipant.load_state` writes every one, and
+    the RNG the skipped initialisation would have drawn from is restored with the state)."""
+    config: Any = getattr(module, "config", None)
+    before = getattr(config, "perform_initialization", None)
+    if not isinstance(before, bool):  # not a megatron config: nothing to skip
+        yield
+        return
+    config.perform_initialization = False
+    try:
+        yield
+    finally:
+        config.perform_initialization = before
 
 
 def _distributed_optimizer_ddp() -> Any:
