@@ -235,7 +235,7 @@ def recover_in_process(strategy: CheckpointlessMegatronStrategy, error: Exceptio
     if part is None:  # failed before the model existed: nothing of this fit to keep
         raise error
     why = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
-    if watch.fired_t is not None:
+    if watch.fired:
         why += f" (fault watch closed {watch.closed} sockets)"
     print(f"[rank {rank}] left fit at step {part.completed_steps}: {why}", flush=True)
     resume: State | None = own_boundary_state(part)
@@ -460,14 +460,21 @@ class FaultWatch:
     def __init__(self, store: Any, generation: int, keep_ports: set[int], poll_s: float = 0.01) -> None:
         import threading
 
-        self.store, self.generation, self.keep_ports, self.poll_s = store, generation, keep_ports, poll_s
+        from nemo_checkpointless.restart.groups import DeclaredFault
+
+        self.keep_ports, self.poll_s = keep_ports, poll_s
+        self.fault = DeclaredFault(store, generation)
         self.lock = threading.Lock()
         self.active = True
-        self.fired_t: float | None = None
         self.closed = 0
         self._section: int | None = None  # the training thread's id while it is inside `interruptible()`
         self.interrupted = False  # a `PeerFailure` was raised in the training thread
         self._thread = threading.Thread(target=self._run, name="ncl-fault-watch", daemon=True)
+
+    @property
+    def fired(self) -> bool:
+        """This watch has read the launcher's declaration."""
+        return self.fault.seen is not None
 
     def __enter__(self) -> FaultWatch:
         self._thread.start()
@@ -483,10 +490,9 @@ class FaultWatch:
         import threading
 
         with self.lock:
-            if self.fired_t is not None:
+            if self.fired:
                 if self.active:  # within the grace: the peers still waiting on this rank are released now
-                    self.closed = _shutdown_sockets(self.keep_ports)
-                    self.active = False
+                    self._release()
                 raise PeerFailure("the launcher declared a peer failed")
             self._section = threading.get_ident()
         try:
@@ -499,25 +505,23 @@ class FaultWatch:
                 _set_async_exc(threading.get_ident(), None)  # still pending (not yet delivered): taken back
                 raise PeerFailure("the launcher declared a peer failed while this rank was computing")
 
-    def _run(self) -> None:
-        from nemo_checkpointless.restart.groups import FAULT_GRACE_S, fault_generation
+    def _release(self) -> None:
+        """Shut this process's sockets (but the store's) and stop watching; under the lock."""
+        self.closed = _shutdown_sockets(self.keep_ports)
+        self.active = False
 
-        due: float | None = None  # when the sockets are shut if the training thread stays outside the section
+    def _run(self) -> None:
         while True:
             with self.lock:
                 if not self.active:
                     return
-                now = time.monotonic()
-                if due is None and fault_generation(self.store) >= self.generation:
-                    self.fired_t = time.time()
-                    due = now + FAULT_GRACE_S
-                if due is not None and (self._section is not None or now >= due):
-                    # Computing: stopped now (its step is redone whole). In a collective outside the section (the
-                    # optimizer's parameter all-gather): it had FAULT_GRACE_S to complete among live ranks.
-                    self.closed = _shutdown_sockets(self.keep_ports)
-                    if self._section is not None:
-                        self.interrupted = _set_async_exc(self._section, PeerFailure) == 1
-                    self.active = False
+                # Computing: stopped at once (its step is redone whole). In a collective outside the section (the
+                # optimizer's parameter all-gather): it has FAULT_GRACE_S to complete among live ranks.
+                if self.fault.due(time.monotonic()) or (self.fired and self._section is not None):
+                    section = self._section
+                    self._release()
+                    if section is not None:
+                        self.interrupted = _set_async_exc(section, PeerFailure) == 1
                     return
             time.sleep(self.poll_s)
 

@@ -79,8 +79,9 @@ class CollectiveTimeout(PeerFailure):
     """A collective made no progress within the timeout and nobody reported a death: some rank hangs."""
 
 
-class _DeclaredFault:
-    """The launcher's fault declaration as one wait sees it: due `FAULT_GRACE_S` after the wait first read it."""
+class DeclaredFault:
+    """The launcher's fault declaration as one wait sees it: `seen` when the wait first read it, due `FAULT_GRACE_S`
+    later (the Lightning path's group waits; the NeMo path's `FaultWatch`)."""
 
     def __init__(self, store: Any, generation: int) -> None:
         self.store, self.generation = store, generation
@@ -198,7 +199,7 @@ class Group:
         # After the fault is declared, the collective still has FAULT_GRACE_S to complete: one among live ranks
         # does, and a rank that completes its step's last collective is not counted a step behind.
         pause = 5e-5
-        fault = _DeclaredFault(self.store, self.generation)
+        fault = DeclaredFault(self.store, self.generation)
         while not work.is_completed():
             now = time.monotonic()
             if now >= next_check:
@@ -276,7 +277,7 @@ class Group:
     def _poll(self, done: threading.Event, what: str) -> PeerFailure | None:
         """Wait for `done` in `POLL_S` slices, checking the fault key between slices, up to the timeout."""
         deadline = time.monotonic() + self.timeout_s
-        fault = _DeclaredFault(self.store, self.generation)
+        fault = DeclaredFault(self.store, self.generation)
         while not done.wait(POLL_S):
             if fault.due(time.monotonic()):
                 return PeerFailure(f"{what}: the launcher reported a failed rank (generation {self.generation})")
