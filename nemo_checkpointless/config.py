@@ -443,10 +443,6 @@ class Config:
                                   f"kind {spec.kind} takes none (bitflip: {', '.join(BITFLIP_TARGETS)}; kill: "
                                   f"{', '.join(KILL_TARGETS)})",
                                   "e.g. bitflip:1:9:param, kill:1:9:gather, or drop the target")
-            if spec.target == "gather" and self.engine != "lightning":
-                raise ConfigError(f"fault.plan[{i}].target", spec.target,
-                                  f"is built for engine=lightning; this recipe has engine={self.engine}",
-                                  "drop the target (a kill at the step's start)")
             # A user's script runs its own number of steps (trainer.max_steps is not passed to it).
             last = self.trainer.max_steps if self.script is None else None
             if not 1 <= spec.step <= (last or spec.step):

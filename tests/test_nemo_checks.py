@@ -81,7 +81,8 @@ def test_the_strategy_checks_before_any_process_group(tmp_path: Path) -> None:
     """`CheckpointlessMegatronStrategy` under NeMo's own `nl.Trainer` (4 CPU devices), in a child process."""
     cases = [{"num_distributed_optimizer_instances": 2}, {"num_instances": 2},
              {"num_distributed_optimizer_instances": 3}, {"tensor_model_parallel_size": 3},
-             {"num_instances": 2, "num_distributed_optimizer_instances": 4}]
+             {"num_instances": 2, "num_distributed_optimizer_instances": 4},
+             {"ddp": {"use_distributed_optimizer": True, "overlap_param_gather": True}}]
     env = child_env(tests_on_path=True)
     proc = subprocess.run([sys.executable, str(TESTS / "scripts" / "nemo_strategy_checks.py"),
                            *(json.dumps(c) for c in cases)], env=env, cwd=tmp_path, capture_output=True, text=True,
@@ -95,6 +96,10 @@ def test_the_strategy_checks_before_any_process_group(tmp_path: Path) -> None:
                                           "tp*cp*pp = 3"), results[3]
     assert results[4] == {"error": "num_distributed_optimizer_instances=4: is the same knob as num_instances=2, "
                                    "and they differ; pass only one of them"}
+    # megatron's overlapped parameter all-gather: at a step boundary a rank would hold only its own shard's update
+    assert results[5]["error"].startswith("ddp.overlap_param_gather=True: a replica sends its parameters at a step "
+                                          "boundary"), results[5]
+    assert "pass DistributedDataParallelConfig(overlap_param_gather=False, ...)" in results[5]["error"], results[5]
     # The knob left to checkpointless-run's --num-instances (2 on an even world): its error names the flag; the
     # script's own knob wins over it.
     cases = [{"tensor_model_parallel_size": 4}, {"num_distributed_optimizer_instances": 1,

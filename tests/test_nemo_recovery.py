@@ -5,13 +5,15 @@ with the fault-free one:
 - a kill (p2p from the replica, in process: survivors keep their pids; the replacement's first batch comes from
   the shared-memory cache) and then a SIGSTOP hang (found by the collective timeout and the launcher's watchdog,
   then p2p) in one run;
+- a rank killed as its instance's parameter all-gather starts (after the step's gradient all-reduce): its instance
+  partner, left one step behind with its own shard updated, is rolled forward from a replica; nobody goes back;
 - both replicas of one shard lost at once (a kill and an exception), on two nodes of 2 ranks (one agent each,
   `launcher.node_rank`): the job falls back by itself to the persistent checkpoint of step 3 (safetensors files)
   and replays from there;
 - the fault-free run's `data_sha256` equals the plain-Lightning engine's for the same data settings: both train on
   the same global batches in the same order.
 
-Four launches (~50 s, ~80 s, ~50 s on 2 cores, and a 10 s Lightning run). Skipped without the [nemo] extra.
+Five launches (~50 s, ~80 s, ~50 s, ~50 s on 2 cores, and a 10 s Lightning run). Skipped without the [nemo] extra.
 """
 
 from __future__ import annotations
@@ -108,6 +110,26 @@ def test_kill_then_hang_recover_p2p_in_process_and_end_bitwise_equal(reference: 
     for r in (1, 2):
         assert len(summary["pids"][str(r)]) == 2 and summary["pids"][str(r)][1] == summary["ranks"][r]["pid"]
     print(json.dumps(summary["recoveries"], indent=1))
+
+
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)
+def test_a_rank_lost_in_its_instances_all_gather_rolls_its_partner_forward(reference: dict[str, Any],
+                                                                         tmp_path: Path) -> None:
+    """Rank 1 SIGKILLed after step 5's gradient all-reduce, as megatron's optimizer starts its instance's parameter
+    all-gather: its partner rank 0 holds its own updated shard of step 5 but not rank 1's, while ranks 2 and 3
+    completed step 5. Rank 0 takes rank 2's state at the end of step 5, the spare becomes rank 1 at step 5, and
+    nobody goes back a step (before: the recovery went to the checkpoint of step 3)."""
+    summary = _train(tmp_path / "gather", *NEMO, "replication.spares=1",
+                     "fault.plan=[{kind:kill,rank:1,step:5,target:gather}]")
+    _assert_equal_to(reference, summary)
+    [rec] = summary["recoveries"]
+    brief = json.dumps(rec, indent=1)
+    assert (rec["failed_ranks"], rec["path"], rec["step"], rec["resumed_from_step"], rec["rolled_forward"],
+            rec["steps_lost"]) == ([1], "p2p", 5, 5, [0], 0), brief
+    assert "complete that step from a replica" in rec["reason"], brief
+    for r in (0, 2, 3):
+        assert summary["pids"][str(r)] == [summary["ranks"][r]["pid"]], summary["pids"]
+    print(brief)
 
 
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)

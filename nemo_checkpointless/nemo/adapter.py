@@ -17,9 +17,11 @@ directly); it imports neither NeMo nor Lightning:
 The shard a rank holds is fixed by its position in its instance (`shard_index`); every rank at that position in
 another instance (Megatron's inter-instance group) holds a bitwise-identical copy, which is what the engine sends.
 
-Contract: `at_step_boundary` is called by the training loop before every step (all ranks); `boundary_state` and
-`load_state` are called by the engine only between the boundary snapshot and the step's gradient reduction, when
-params and optimizer state are still those of the boundary (no big tensor is copied in the fault-free path).
+Contract: `at_step_boundary` is called by the training loop before every step (all ranks), and `gathering` once
+this rank's shard is updated, as its instance's parameter all-gather starts; `boundary_state` and `load_state` are
+called by the engine only between the boundary snapshot and the step's gradient reduction, when params and
+optimizer state are still those of the boundary (no big tensor is copied in the fault-free path), and
+`finish_step` only in `GATHERING`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nemo_checkpointless.restart.recovery import GATHERING
 from nemo_checkpointless.state.hashing import DataDigest
 from nemo_checkpointless.state.rng import capture_rng, restore_rng
 
@@ -105,6 +108,11 @@ class MegatronParticipant:
         self._boundary = _capture_all_rng()
         self.boundary_step = completed_steps
 
+    def gathering(self) -> None:
+        """This rank's shard is updated for the step in flight and its instance's parameter all-gather starts (the
+        engine's `GATHERING`: a survivor left here by a lost instance partner is rolled forward)."""
+        self.phase = GATHERING
+
     def step_done(self, rank_batch_hashes: list[bytes] | None = None) -> None:
         """After the optimizer step: count it and extend the data digest with the step's per-rank batch hashes."""
         self.completed_steps += 1
@@ -170,12 +178,18 @@ class MegatronParticipant:
         }
         return tensors, json.loads(json.dumps(meta))
 
-    # Megatron's step is not split where a lost partner would leave this rank one step behind with its own shard
-    # updated: such survivors go to the checkpoint (`restart.recovery`).
-    rolls_forward = False
+    rolls_forward = True
 
     def finish_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        raise RuntimeError("the NeMo engine does not roll a survivor forward")
+        """The step in flight completed from a replica that completed it: this rank's instance lost a partner in the
+        parameter all-gather, after this rank had updated its own shard. The replica holds the same shard (its
+        update of it is bitwise this rank's: the same reduced gradients, norm and optimizer), the whole parameters
+        of the step, and RNG, data digest and position at its end, which every data-parallel rank shares: its
+        whole boundary state is this rank's at the end of the step, and is loaded as such."""
+        if self.phase != GATHERING or meta.get("step") != self.completed_steps + 1:
+            raise ValueError(f"state of step {meta.get('step')} offered to finish step {self.completed_steps + 1} "
+                             f"(phase {self.phase}): only a rank in its parameter all-gather is rolled forward")
+        self.load_state(tensors, meta)
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Overwrite this rank's params, shard, optimizer state, counters and (at the next boundary) RNG.

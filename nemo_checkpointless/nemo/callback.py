@@ -107,7 +107,8 @@ class CheckpointlessCallback(pl.Callback):
             session.engine.corrupt_next_send = True
 
         session.beacon.mark(trainer.global_step + 1, progress.STEP_START)
-        fire_faults(self.fault_plan, session.env.rank, trainer.global_step + 1, store, corrupt)
+        fire_faults(self.fault_plan, session.env.rank, trainer.global_step + 1, store, corrupt,
+                    gather=strategy.kill_at_gather.add)
         slow_delay()  # a `slow` fault that fired: this rank is a straggler from then on
 
     @override

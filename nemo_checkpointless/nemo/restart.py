@@ -241,7 +241,9 @@ def recover_in_process(strategy: CheckpointlessMegatronStrategy, error: Exceptio
     resume: State | None = own_boundary_state(part)
     try:
         decision = session.engine.recover(part, PeerFailure(f"{type(error).__name__} in NeMo's fit"))
-        how = f"p2p at step {decision.step}"
+        if rank in decision.rolled_forward:  # loaded with a replica's state at the end of the step it was in
+            resume = own_boundary_state(part)
+        how = f"p2p at step {decision.step}" + (", rolled forward" if rank in decision.rolled_forward else "")
     except RestartFromCheckpoint as restart:
         resume = checkpoint_state(strategy, restart.decision.step)
         how = f"from the checkpoint of step {restart.decision.step} ({restart.decision.reason})"
@@ -423,7 +425,7 @@ class ReceivedState:
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         self.state = (tensors, meta)
 
-    rolls_forward = False  # as `MegatronParticipant`: every rank of a job decides alike
+    rolls_forward = True  # as `MegatronParticipant`: every rank of a job decides alike
 
     def finish_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         raise RuntimeError("a replacement has no step in flight")

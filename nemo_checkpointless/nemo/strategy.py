@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -46,7 +47,7 @@ from typing_extensions import override  # noqa: E402
 
 from nemo_checkpointless.errors import ConfigError  # noqa: E402
 from nemo_checkpointless.nemo import numerics  # noqa: E402
-from nemo_checkpointless.nemo.adapter import MegatronParticipant  # noqa: E402
+from nemo_checkpointless.nemo.adapter import MegatronParticipant, distributed_optimizers  # noqa: E402
 from nemo_checkpointless.nemo.data import RecordingIterator, publish_step_digest  # noqa: E402
 from nemo_checkpointless.nemo.restart import NEMO_DEFAULT_SEED, FaultWatch, InProcessLauncher  # noqa: E402
 from nemo_checkpointless.protocol import LAYOUT_ENV, NUM_INSTANCES_ENV, STORE_PORT_ENV  # noqa: E402
@@ -114,6 +115,12 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
                               f"{self.instances_key}={num_instances} replicates the distributed optimizer's shards",
                               "pass ddp=DistributedDataParallelConfig(use_distributed_optimizer=True, ...) or "
                               "leave ddp= out (this strategy's default)")
+        if getattr(ddp, "overlap_param_gather", False):
+            raise ConfigError("ddp.overlap_param_gather", True,
+                              "a replica sends its parameters at a step boundary, and with overlap_param_gather a "
+                              "rank holds only its own shard of the last update until the next forward gathers the "
+                              "rest", "pass DistributedDataParallelConfig(overlap_param_gather=False, ...) or leave "
+                              "ddp= out (this strategy's default)")
         self.num_instances = num_instances
         self.global_batch_size = global_batch_size
         self.participant: MegatronParticipant | None = None
@@ -130,6 +137,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.reentry: dict[str, float] = {}  # times of the phases of the last re-entry into `fit`
         self.fault_watch: FaultWatch | None = None  # this generation's, set by the launcher (`nemo.restart`)
         self._position_from_resume = False
+        self.kill_at_gather: set[int] = set()  # fault plan kind kill, target gather: the steps (1-based)
 
     # ------------------------------------------------------------------------------------------ the session
     @property
@@ -297,6 +305,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
             list(self.megatron_parallel), self.optimizers[0], dp_size=self.dims.dp_cp,
             num_instances=self.num_instances, shard_index=info.shard_index, tp_rank=info.tp_rank,
             pp_rank=info.pp_rank, global_batch_size=self.global_batch_size)
+        self._watch_param_gather()
         if self.resume is not None:
             self.participant.load_state(*self.resume)
             self.resume = None  # the tensors belong to the previous fit's model: drop them once loaded
@@ -359,6 +368,28 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
             self.participant.step_done()
         self._mark(self.trainer.global_step + 1, progress.STEP_DONE)
         return out
+
+    def _watch_param_gather(self) -> None:
+        """Tell the participant when this rank's shard is updated and its instance's parameter all-gather starts
+        (megatron's `DistributedOptimizer` calls `start_param_sync` on each of its `model_chunks`, megatron's DDP
+        modules, right after its update; an instance attribute of this setup's chunks, nothing of megatron's classes
+        changes). A fault plan's kill with target `gather` fires there."""
+        participant = self.participant
+        chunks = {id(c): c for leaf in distributed_optimizers(self.optimizers[0]) for c in leaf.model_chunks}
+        for chunk in chunks.values():
+            start = chunk.start_param_sync
+
+            def start_param_sync(*args: Any, _start: Any = start, **kwargs: Any) -> Any:
+                assert participant is not None
+                participant.gathering()
+                step = participant.completed_steps + 1
+                if step in self.kill_at_gather:
+                    print(f"[rank {self.global_rank}] killed after the gradient all-reduce of step {step}, as its "
+                          "parameter all-gather starts", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return _start(*args, **kwargs)
+
+            chunk.start_param_sync = start_param_sync
 
     def _mark(self, step: int, phase: int) -> None:
         """Where this rank is in its step, for the launcher's progress watchdog (no session: nobody watches)."""

@@ -99,7 +99,8 @@ def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: 
         if spec.kind == "kill" and getattr(spec, "target", "") == "gather":
             if gather is None:
                 raise ConfigError(f"fault.plan kill:{rank}:{step}:gather", "gather",
-                                  "is built for the Lightning engine's CheckpointlessStrategy",
+                                  "needs a strategy that stops in its parameter all-gather (CheckpointlessStrategy, "
+                                  "CheckpointlessMegatronStrategy)",
                                   "drop the target (a kill at the step's start)")
             gather(step)
         elif spec.kind == "kill":

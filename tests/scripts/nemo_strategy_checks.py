@@ -22,6 +22,10 @@ from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy  # 
 
 for arg in sys.argv[1:]:
     kwargs = json.loads(arg)
+    if isinstance(kwargs.get("ddp"), dict):
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        kwargs["ddp"] = DistributedDataParallelConfig(**kwargs["ddp"])
     try:
         strategy = CheckpointlessMegatronStrategy(ckpt_async_save=False, **kwargs)
         nl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, enable_checkpointing=False,
