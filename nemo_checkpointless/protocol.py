@@ -92,6 +92,12 @@ def record_key(generation: int, rank: int) -> str:
     return f"job/recovery/{generation}/{rank}"
 
 
+def fault_ranks_key(generation: int) -> str:
+    """Set by the launcher just before it declares `generation` failed (`FAULT_KEY`): the ranks it found failed, a
+    JSON list (absent when it declares a hang before it knows the hung rank)."""
+    return f"job/fault/{generation}/ranks"
+
+
 def hang_key(generation: int) -> str:
     """Set by a rank whose collective of `generation` timed out: asks the launcher to find the hung rank."""
     return f"job/hang/{generation}"

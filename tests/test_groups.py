@@ -1,9 +1,12 @@
 """`Group.send` / `Group.recv` watch the job's fault key like the collectives do: a rank waiting for a peer that
-will never send leaves as soon as the launcher declares a fault, not at the collective timeout. Threads as ranks,
-real gloo groups over loopback, an in-process store (`harness.run_threads`)."""
+will never send leaves as soon as the launcher declares a fault, not at the collective timeout. A collective whose
+members include the rank the launcher named failed is released after `DEAD_MEMBER_GRACE_S`; one among live ranks
+keeps `FAULT_GRACE_S` to complete. Threads as ranks, real gloo groups over loopback, an in-process store
+(`harness.run_threads`)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -11,7 +14,14 @@ import pytest
 import torch
 from harness import run_threads
 
-from nemo_checkpointless.restart.groups import FAULT_KEY, Membership, PeerFailure
+from nemo_checkpointless.protocol import fault_ranks_key
+from nemo_checkpointless.restart.groups import (
+    DEAD_MEMBER_GRACE_S,
+    FAULT_GRACE_S,
+    FAULT_KEY,
+    Membership,
+    PeerFailure,
+)
 
 TIMEOUT_S = 20.0  # the collective timeout: a wait that ignored the fault key would last this long
 FAULT_AFTER_S = 0.3
@@ -49,3 +59,50 @@ def test_recv_from_a_peer_that_never_sends_returns_when_the_fault_key_is_set() -
     out = run_threads(2, fn, timeout_s=TIMEOUT_S + 30, collective_timeout_s=TIMEOUT_S)[0]
     assert "launcher reported a failed rank" in str(out["error"]), out
     assert FAULT_AFTER_S - 0.05 <= float(out["waited_s"]) < 2.0, out
+
+
+@pytest.mark.timeout(90)
+def test_a_collective_with_the_failed_rank_among_its_members_leaves_after_the_short_grace() -> None:
+    """Rank 2 stands for a dead rank that is nobody's ring neighbour here: it stays alive, silent, and the
+    launcher names it failed. Ranks 0 and 1 wait in a world all-reduce (which cannot complete without rank 2) and
+    leave DEAD_MEMBER_GRACE_S after the declaration, not FAULT_GRACE_S. Then their own pair's all-reduce, rank 1
+    arriving FAULT_GRACE_S / 2 after rank 0, still completes: a group of live ranks keeps the whole grace."""
+    done = threading.Event()
+    fault_t: list[float] = []
+
+    def fn(m: Membership) -> dict[str, float | str]:
+        world = m.world()
+        pair = m.group("pair", [0, 1]) if m.rank < 2 else None
+        world.all_reduce(torch.ones(1))  # the group works
+        if m.rank == 2:
+            time.sleep(FAULT_AFTER_S)
+            fault_t.append(time.monotonic())
+            m.store.set(fault_ranks_key(m.generation), json.dumps([2]))
+            m.store.set(FAULT_KEY, str(m.generation))
+            assert done.wait(TIMEOUT_S + 10)
+            return {}
+        out: dict[str, float | str] = {}
+        try:
+            world.all_reduce(torch.ones(1))
+            out["error"] = ""
+        except PeerFailure as e:
+            out["error"] = str(e)
+        out["after_fault_s"] = time.monotonic() - fault_t[0]
+        assert pair is not None
+        if m.rank == 1:
+            time.sleep(FAULT_GRACE_S / 2)
+        x = torch.full((1,), float(m.rank + 1))
+        try:
+            pair.all_reduce(x)
+            out["pair_sum"] = float(x[0])
+        except PeerFailure as e:
+            out["pair_error"] = str(e)
+        if m.rank == 0:
+            done.set()
+        return out
+
+    outs = run_threads(3, fn, timeout_s=TIMEOUT_S + 30, collective_timeout_s=TIMEOUT_S)
+    for out in outs[:2]:
+        assert "launcher reported a failed rank" in str(out["error"]), out
+        assert DEAD_MEMBER_GRACE_S * 0.9 <= float(out["after_fault_s"]) < (DEAD_MEMBER_GRACE_S + FAULT_GRACE_S) / 2, out
+        assert out.get("pair_sum") == 3.0, out

@@ -703,6 +703,7 @@ class _Job:
             stop = json.loads(self.store.get(protocol.STOP_KEY))  # the ranks stopped the job on purpose
             raise LaunchError(f"rank {stop['rank']} stopped the job: {stop['message']}", exit_code=stop["exit_code"])
         if failed:
+            self.store.set(protocol.fault_ranks_key(self.generation), json.dumps(sorted(failed)))
             self.store.set(FAULT_KEY, str(self.generation))  # unblock the survivors' collectives at once
             time.sleep(GRACE_S)
             codes = self.exit_codes()

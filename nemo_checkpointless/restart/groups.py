@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import queue
 import threading
@@ -49,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_checkpointless.protocol import DEVICE_PLANE_ENV, FAULT_KEY, alive_key, hang_key
+from nemo_checkpointless.protocol import DEVICE_PLANE_ENV, FAULT_KEY, alive_key, fault_ranks_key, hang_key
 
 __all__ = ["FAULT_KEY", "CollectiveTimeout", "Group", "Membership", "PeerFailure", "alive_key", "hang_key"]
 
@@ -61,6 +62,11 @@ POLL_S = 0.005
 # forward went to the checkpoint. A collective that waits on the dead rank fails after this (or at once, by the
 # closed socket, on its ring neighbours).
 FAULT_GRACE_S = 0.2
+# The same for a collective of a group that has a rank the launcher named failed among its members
+# (`protocol.fault_ranks_key`): only what the dead rank sent before it died can still arrive, which takes
+# milliseconds (on a loaded machine, tens). Without it, a survivor waiting in the step's all-reduce that is not the
+# dead rank's ring neighbour (it sees no closed socket) waited the whole FAULT_GRACE_S.
+DEAD_MEMBER_GRACE_S = 0.05
 
 # This process's device-plane use: collectives completed there, and waits that ended in a failure (the tests read
 # it; `device_plane_stats`).
@@ -81,21 +87,35 @@ class CollectiveTimeout(PeerFailure):
 
 class DeclaredFault:
     """The launcher's fault declaration as one wait sees it: `seen` when the wait first read it, due `FAULT_GRACE_S`
-    later (the Lightning path's group waits; the NeMo path's `FaultWatch`)."""
+    later (the Lightning path's group waits; the NeMo path's `FaultWatch`), or `DEAD_MEMBER_GRACE_S` later for the
+    wait of a collective over `members` (global ranks) of which the launcher named one failed."""
 
-    def __init__(self, store: Any, generation: int) -> None:
-        self.store, self.generation = store, generation
+    def __init__(self, store: Any, generation: int, members: Sequence[int] | None = None) -> None:
+        self.store, self.generation, self.members = store, generation, members
         self.seen: float | None = None
+        self.grace_s = FAULT_GRACE_S
 
     def due(self, now: float) -> bool:
-        if self.seen is None and fault_generation(self.store) >= self.generation:
-            self.seen = now
-        return self.seen is not None and now - self.seen >= FAULT_GRACE_S
+        if self.seen is None:
+            declared = fault_generation(self.store)
+            if declared >= self.generation:
+                self.seen = now
+                if self.members is not None and set(self.members) & set(failed_ranks(self.store, declared)):
+                    self.grace_s = DEAD_MEMBER_GRACE_S
+        return self.seen is not None and now - self.seen >= self.grace_s
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """A client of the launcher's store (every worker and spare is a client; the launcher is the server)."""
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def failed_ranks(store: dist.Store, generation: int) -> list[int]:
+    """The ranks the launcher named failed when it declared `generation` failed (empty if it named none)."""
+    key = fault_ranks_key(generation)
+    if not store.check([key]):
+        return []
+    return [int(r) for r in json.loads(store.get(key))]
 
 
 def fault_generation(store: dist.Store) -> int:
@@ -196,10 +216,11 @@ class Group:
         deadline, next_check = now + self.timeout_s, now + POLL_S
         # Short sleeps, doubling up to 1 ms: a completed collective is seen within a millisecond (the step waits on
         # it); the store is asked for the fault key every POLL_S only.
-        # After the fault is declared, the collective still has FAULT_GRACE_S to complete: one among live ranks
-        # does, and a rank that completes its step's last collective is not counted a step behind.
+        # After the fault is declared, the collective still has FAULT_GRACE_S to complete (DEAD_MEMBER_GRACE_S if a
+        # member is the failed rank): one among live ranks does, and a rank that completes its step's last
+        # collective is not counted a step behind.
         pause = 5e-5
-        fault = DeclaredFault(self.store, self.generation)
+        fault = DeclaredFault(self.store, self.generation, self.ranks)
         while not work.is_completed():
             now = time.monotonic()
             if now >= next_check:
@@ -277,7 +298,7 @@ class Group:
     def _poll(self, done: threading.Event, what: str) -> PeerFailure | None:
         """Wait for `done` in `POLL_S` slices, checking the fault key between slices, up to the timeout."""
         deadline = time.monotonic() + self.timeout_s
-        fault = DeclaredFault(self.store, self.generation)
+        fault = DeclaredFault(self.store, self.generation, self.ranks)
         while not done.wait(POLL_S):
             if fault.due(time.monotonic()):
                 return PeerFailure(f"{what}: the launcher reported a failed rank (generation {self.generation})")
