@@ -18,6 +18,7 @@ restart / p2p of the medians. Figures go to stdout and to the JSON file given by
 
     python scripts/bench_recovery.py --kills 5 --out runs/bench/recovery.json
     python scripts/bench_recovery.py --engine nemo --kills 3 --out runs/bench/recovery_nemo.json   # [nemo] extra
+    python scripts/bench_recovery.py --engine nemo --kills 3 --target gather   # kills as the all-gather starts
 
 `--engine nemo` runs `recipe=tiny_llama_nemo` (NeMo 2 + megatron-core on gloo, with the test suite's CPU shim:
 `launcher.preload=[nemo_shim]`, tests/ on PYTHONPATH) with kills GAP_NEMO steps apart.
@@ -71,12 +72,16 @@ def main() -> int:
     parser.add_argument("--dir", default="runs/bench")
     parser.add_argument("--out", default=None)
     parser.add_argument("--engine", choices=("lightning", "nemo"), default="lightning")
+    parser.add_argument("--target", choices=("start", "gather"), default="start",
+                        help="where each kill lands: the step's start, or after its gradient all-reduce as the "
+                             "parameter all-gather starts (the killed rank's instance partners are rolled forward)")
     args = parser.parse_args()
     base = Path(args.dir).absolute() / args.engine
     gap = GAP_NEMO if args.engine == "nemo" else GAP
     steps = gap * args.kills + 10
     faults = [(15 + gap * i, (1 + i) % 4) for i in range(args.kills)]
-    plan = "[" + ",".join(f"{{kind:kill,rank:{r},step:{s}}}" for s, r in faults) + "]"
+    target = ",target:gather" if args.target == "gather" else ""
+    plan = "[" + ",".join(f"{{kind:kill,rank:{r},step:{s}{target}}}" for s, r in faults) + "]"
     engine = ["recipe=tiny_llama_nemo", "launcher.preload=[nemo_shim]"] if args.engine == "nemo" else []
     common = [*engine, f"trainer.max_steps={steps}", "checkpoint.every_n_steps=10", "replication.num_instances=2",
               "replication.spares=1"]
@@ -88,7 +93,7 @@ def main() -> int:
         "restart": run(base / "restart", [*common, f"fault.plan={plan}", "launcher.on_failure=restart_all"]),
     }
     ref = results["reference"]
-    report: dict[str, Any] = {"job": {"engine": args.engine, "steps": steps, "faults": faults,
+    report: dict[str, Any] = {"job": {"engine": args.engine, "steps": steps, "faults": faults, "target": args.target,
                                       "world_size": ref["world_size"]}, "runs": {}}
     for name, s in results.items():
         recs = s["recoveries"]
@@ -97,6 +102,7 @@ def main() -> int:
             "wall_s": s["wall_s"],
             "equal_to_reference": s["state_sha256"] == ref["state_sha256"] and s["data_sha256"] == ref["data_sha256"],
             "paths": [r["path"] for r in recs],
+            "rolled_forward": [r.get("rolled_forward", []) for r in recs],
             "recover_s": [r["recover_s"] for r in recs],
             "back_at_fault_step_s": [r["back_at_fault_step_s"] for r in recs],
             "detect_s": [r["detect_s"] for r in recs],
