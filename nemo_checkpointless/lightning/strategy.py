@@ -28,7 +28,6 @@ import itertools
 import json
 import math
 import os
-import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,6 +44,7 @@ from nemo_checkpointless import protocol
 from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.replication import ShardedOptimizer
 from nemo_checkpointless.restart import Membership, PeerFailure, progress
+from nemo_checkpointless.restart.faults import kill_in_gather
 from nemo_checkpointless.restart.integrity import IntegrityCheck, NanGuard
 from nemo_checkpointless.restart.recovery import Decision, Parked, Reshape, RestartFromCheckpoint
 from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
@@ -907,9 +907,7 @@ class CheckpointlessStrategy(ParallelStrategy):
                     self.sharded.discard(count_step=True)
                 else:
                     if step in self._kill_at_gather:
-                        print(f"[rank {self.global_rank}] killed after the gradient all-reduce of step {step}",
-                              flush=True)
-                        os.kill(os.getpid(), signal.SIGKILL)
+                        kill_in_gather(self.global_rank, step)
                     self.sharded.apply()
                 break
             except PeerFailure as failure:

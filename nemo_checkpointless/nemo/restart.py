@@ -241,9 +241,10 @@ def recover_in_process(strategy: CheckpointlessMegatronStrategy, error: Exceptio
     resume: State | None = own_boundary_state(part)
     try:
         decision = session.engine.recover(part, PeerFailure(f"{type(error).__name__} in NeMo's fit"))
+        how = f"p2p at step {decision.step}"
         if rank in decision.rolled_forward:  # loaded with a replica's state at the end of the step it was in
             resume = own_boundary_state(part)
-        how = f"p2p at step {decision.step}" + (", rolled forward" if rank in decision.rolled_forward else "")
+            how += ", rolled forward"
     except RestartFromCheckpoint as restart:
         resume = checkpoint_state(strategy, restart.decision.step)
         how = f"from the checkpoint of step {restart.decision.step} ({restart.decision.reason})"

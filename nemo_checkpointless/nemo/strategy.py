@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -52,6 +51,7 @@ from nemo_checkpointless.nemo.data import RecordingIterator, publish_step_digest
 from nemo_checkpointless.nemo.restart import NEMO_DEFAULT_SEED, FaultWatch, InProcessLauncher  # noqa: E402
 from nemo_checkpointless.protocol import LAYOUT_ENV, NUM_INSTANCES_ENV, STORE_PORT_ENV  # noqa: E402
 from nemo_checkpointless.restart import progress  # noqa: E402
+from nemo_checkpointless.restart.faults import kill_in_gather  # noqa: E402
 from nemo_checkpointless.restart.session import Session  # noqa: E402
 from nemo_checkpointless.state.checkpoint import CheckpointStore  # noqa: E402
 from nemo_checkpointless.topology import ParallelDims, rank_info  # noqa: E402
@@ -384,9 +384,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
                 participant.gathering()
                 step = participant.completed_steps + 1
                 if step in self.kill_at_gather:
-                    print(f"[rank {self.global_rank}] killed after the gradient all-reduce of step {step}, as its "
-                          "parameter all-gather starts", flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    kill_in_gather(self.global_rank, step)
                 return _start(*args, **kwargs)
 
             chunk.start_param_sync = start_param_sync

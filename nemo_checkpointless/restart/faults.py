@@ -69,6 +69,13 @@ def _run_out_of_memory(rank: int, step: int) -> None:
             raise MemoryError(f"injected fault: oom on rank {rank} at step {step}")
 
 
+def kill_in_gather(rank: int, step: int) -> None:
+    """Where a `kill` with target `gather` lands: the strategy calls this after step `step`'s gradient all-reduce,
+    before its instance's parameter all-gather (SIGKILL)."""
+    print(f"[rank {rank}] killed after the gradient all-reduce of step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: Callable[[], None],
                 grow: Callable[[int], None] | None = None, bitflip: Callable[[str], None] | None = None,
                 nan: Callable[[int, bool], None] | None = None, gather: Callable[[int], None] | None = None
