@@ -15,6 +15,9 @@ CPU:
   state and setting a CUDA state is a no-op (CUDA RNG contents are one of the things CPU cannot cover).
 
 Nothing here changes numerics: every op still runs on the CPU kernels it would run on without the shim.
+
+`install()` also installs `pickle_guard` (not a CPU matter): a torch.distributed object collective fails the process,
+so every NeMo job of the tests shows that nothing on its path sends a pickle between processes.
 """
 
 from __future__ import annotations
@@ -128,6 +131,11 @@ def install() -> None:
     cuda.current_stream = lambda *a, **k: _Stream()
     cuda.default_stream = lambda *a, **k: _Stream()
     install_rng()
+    # Not part of the CPU shim: every NeMo job of the tests also proves that no object collective (a pickle from
+    # a peer) runs on its path.
+    import pickle_guard
+
+    pickle_guard.install()
 
 
 def install_rng() -> None:

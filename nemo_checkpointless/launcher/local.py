@@ -210,6 +210,7 @@ class _Job:
     stragglers: StragglerWatch | None = None  # the straggler report (`watch_progress`)
     progress_generation: int = -1
     hang_reasons: dict[int, str] = field(default_factory=dict)  # rank -> why the watchdog declared it hung
+    hang_deadlines: dict[int, float] = field(default_factory=dict)  # rank -> the watchdog's deadline then
     finished_late: set[int] = field(default_factory=set)  # ranks that died after their training had ended
     in_process: bool = False  # a process of the job runs CheckpointlessStrategy (see `recovers_in_process`)
     node_lost: set[int] = field(default_factory=set)  # several nodes: ranks that died with their node
@@ -399,6 +400,8 @@ class _Job:
                             "fault_t": fault_t, "exit_codes": {str(r): codes.get(r) for r in failed},
                             "target_step": target, "restart_all": restart_all,
                             "hang": {str(r): self.hang_reasons.pop(r) for r in failed if r in self.hang_reasons},
+                            "hang_deadline_s": max((self.hang_deadlines.pop(r) for r in failed
+                                                    if r in self.hang_deadlines), default=None),
                             "replacement": {str(r): how.get(r, "whole-job restart") for r in failed},
                             **({"reshape": reshape, "active_ranks": active} if reshape else {})})
         if reshape:
@@ -562,6 +565,7 @@ class _Job:
                   f"{self.progress.deadline():.1f} s deadline); replacing it", file=sys.stderr, flush=True)
             self.hung.add(rank)
             self.hang_reasons[rank] = why
+            self.hang_deadlines[rank] = round(self.progress.deadline(), 3)
             self.ranks[rank].popen.kill()
 
     def progress_readers(self) -> tuple[Reader | None, Callable[[int], Beacon | None] | None]:
@@ -670,7 +674,9 @@ class _Job:
                 **({"rolled_forward": rolled} if rolled else {}),
                 "exit_codes": fault["exit_codes"],
                 "replacement": fault["replacement"],
-                **({"hang": fault["hang"]} if fault.get("hang") else {}),  # why the watchdog declared it hung
+                # why the watchdog declared it hung, and its deadline then (max(floor, 10 x p95 step) by default)
+                **({"hang": fault["hang"], "hang_deadline_s": fault.get("hang_deadline_s")} if fault.get("hang")
+                   else {}),
                 # A change of the world's shape (replication.shrink): "shrink" (the ranks that went on) or "grow"
                 **({"reshape": fault["reshape"], "active_ranks": fault["active_ranks"]} if fault.get("reshape")
                    else {}),

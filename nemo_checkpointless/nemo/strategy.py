@@ -50,7 +50,7 @@ from nemo_checkpointless.nemo.adapter import MegatronParticipant, distributed_op
 from nemo_checkpointless.nemo.data import RecordingIterator, publish_step_digest  # noqa: E402
 from nemo_checkpointless.nemo.restart import NEMO_DEFAULT_SEED, FaultWatch, InProcessLauncher  # noqa: E402
 from nemo_checkpointless.protocol import LAYOUT_ENV, NUM_INSTANCES_ENV, STORE_PORT_ENV  # noqa: E402
-from nemo_checkpointless.restart import progress  # noqa: E402
+from nemo_checkpointless.restart import objects, progress  # noqa: E402
 from nemo_checkpointless.restart.faults import kill_in_gather  # noqa: E402
 from nemo_checkpointless.restart.session import Session  # noqa: E402
 from nemo_checkpointless.state.checkpoint import CheckpointStore  # noqa: E402
@@ -293,7 +293,10 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         # A fit that starts from a state (a survivor's own, a replacement's received one, a checkpoint's) overwrites
         # every parameter once the model exists: megatron's initialisation of the model it builds is skipped.
         skip_init = self.resume is not None
-        with _without_initialization(trainer.lightning_module) if skip_init else contextlib.nullcontext():
+        # megatron-core's optimizer builder gathers every rank's parameter-group keys with `all_gather_object`
+        # (a pickle from each peer): JSON here (`restart.objects`).
+        with (_without_initialization(trainer.lightning_module) if skip_init else contextlib.nullcontext(),
+              objects.json_object_collectives()):
             super().setup(trainer)
         assert self.dims is not None
         if not self.global_batch_size and self.data_sampler is not None:
@@ -313,6 +316,21 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
             # next scheduler step computes the LR of the step after it).
             for config in self.lr_scheduler_configs:
                 config.scheduler.last_epoch = self.resume_step
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """`obj` from rank `src`, as JSON (`restart.objects`), where Lightning's `DDPStrategy.broadcast` pickles it
+        (Lightning broadcasts its log directory while it sets up `fit`). A tensor is broadcast as a tensor (the
+        same shape on every rank)."""
+        if not dist.is_available() or not dist.is_initialized():
+            return obj
+        if isinstance(obj, torch.Tensor):
+            out = obj.detach().clone()
+            dist.broadcast(out, src)
+            return out
+        box = [obj]
+        objects.broadcast_object_list(box, src)
+        return box[0]
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

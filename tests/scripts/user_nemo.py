@@ -154,6 +154,12 @@ def main() -> None:
         lr_scheduler=CosineAnnealingScheduler(max_steps=args.max_steps, warmup_steps=4, min_lr=3e-4))
     parallel = dict(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, ckpt_async_save=False,
                     pipeline_dtype=torch.float32 if args.pp > 1 else None)
+    if args.plain_strategy:
+        # NeMo's own strategy pickles (Lightning's broadcast of the log directory) before our callback refuses it:
+        # this run is about that refusal, not our path, so the tests' pickle guard is lifted.
+        import pickle_guard
+
+        pickle_guard.uninstall()
     strategy = (nl.MegatronStrategy(**parallel) if args.plain_strategy else
                 CheckpointlessMegatronStrategy(num_distributed_optimizer_instances=args.instances, **parallel))
     callbacks = [Progress()] if args.no_callback else [CheckpointlessCallback(), Progress()]
