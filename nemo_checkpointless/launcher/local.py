@@ -209,8 +209,8 @@ class _Job:
     progress: HangWatch | None = None  # the progress watchdog (`watch_progress`)
     stragglers: StragglerWatch | None = None  # the straggler report (`watch_progress`)
     progress_generation: int = -1
-    hang_reasons: dict[int, str] = field(default_factory=dict)  # rank -> why the watchdog declared it hung
-    hang_deadlines: dict[int, float] = field(default_factory=dict)  # rank -> the watchdog's deadline then
+    # rank -> why the watchdog declared it hung, and the watchdog's deadline then
+    hang_reasons: dict[int, tuple[str, float]] = field(default_factory=dict)
     finished_late: set[int] = field(default_factory=set)  # ranks that died after their training had ended
     in_process: bool = False  # a process of the job runs CheckpointlessStrategy (see `recovers_in_process`)
     node_lost: set[int] = field(default_factory=set)  # several nodes: ranks that died with their node
@@ -396,12 +396,12 @@ class _Job:
         # The step the fault interrupted, when known (an injected fault says it): ranks stamp when they are
         # back there, which is how a recovery and a whole-job restart are compared.
         target = min((i["step"] for i in injected.values()), default=None)
+        hung = {r: self.hang_reasons.pop(r) for r in failed if r in self.hang_reasons}
         self.faults.append({"generation": self.generation, "failed_ranks": failed, "fault_kind": "+".join(kinds),
                             "fault_t": fault_t, "exit_codes": {str(r): codes.get(r) for r in failed},
                             "target_step": target, "restart_all": restart_all,
-                            "hang": {str(r): self.hang_reasons.pop(r) for r in failed if r in self.hang_reasons},
-                            "hang_deadline_s": max((self.hang_deadlines.pop(r) for r in failed
-                                                    if r in self.hang_deadlines), default=None),
+                            "hang": {str(r): why for r, (why, _) in hung.items()},
+                            "hang_deadline_s": max((deadline for _, deadline in hung.values()), default=None),
                             "replacement": {str(r): how.get(r, "whole-job restart") for r in failed},
                             **({"reshape": reshape, "active_ranks": active} if reshape else {})})
         if reshape:
@@ -564,8 +564,7 @@ class _Job:
             print(f"checkpointless: rank {rank} is hung: {why} (no progress for longer than the "
                   f"{self.progress.deadline():.1f} s deadline); replacing it", file=sys.stderr, flush=True)
             self.hung.add(rank)
-            self.hang_reasons[rank] = why
-            self.hang_deadlines[rank] = round(self.progress.deadline(), 3)
+            self.hang_reasons[rank] = (why, round(self.progress.deadline(), 3))
             self.ranks[rank].popen.kill()
 
     def progress_readers(self) -> tuple[Reader | None, Callable[[int], Beacon | None] | None]:

@@ -410,7 +410,7 @@ class ClusterJob(_Job):
         self.seen_injections, self.hung = set(state["seen_injections"]), set(state["hung"])
         self.hang_handled, self.node_lost = set(state["hang_handled"]), set(state["node_lost"])
         self.finished_late = set(state["finished_late"])
-        self.hang_reasons = {int(r): w for r, w in state["hang_reasons"].items()}
+        self.hang_reasons = {int(r): (str(w[0]), float(w[1])) for r, w in state["hang_reasons"].items()}
         self.ranks = {int(r): proc(u) for r, u in state["ranks"].items()}
         self.spares = {int(k): proc(u) for k, u in state["spares"].items()}
         self.pids = {int(r): [proc(u) for u in us] for r, us in state["pids"].items()}
