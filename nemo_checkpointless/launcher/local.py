@@ -61,6 +61,10 @@ from nemo_checkpointless.topology.shrink import shrink_layout
 WORKER_MODULE = "nemo_checkpointless.lightning.worker"
 WORKER_MODULES = {"lightning": WORKER_MODULE, "nemo": "nemo_checkpointless.nemo.worker"}  # by `engine`
 POLL_S = 0.005
+# The watchdogs (a rank's report of a collective timeout, the progress and straggler watch, a shrunk world, spares
+# to refill) look every WATCH_S, not at every poll: their deadlines are seconds, and each look costs a round trip
+# to the store. A rank's death is still looked for at every poll.
+WATCH_S = 0.025
 # After the first death, how long to look for others before deciding. Deaths further apart are handled too: the
 # later one interrupts the recovery in progress, which restarts at the next generation with both replaced.
 GRACE_S = 0.01
@@ -198,6 +202,7 @@ class _Job:
     exiting: list[_Proc] = field(default_factory=list)
     factory: SpareFactory | None = None
     faults: list[dict[str, Any]] = field(default_factory=list)
+    next_watch: float = 0.0  # when `tick` next runs the watchdogs (time.monotonic)
     next_spare: int = 0
     generation: int = 0
     refill: int = 0
@@ -720,6 +725,10 @@ class _Job:
             return False
         if all(c == 0 for r, c in codes.items() if r not in self.parked):
             return True  # a shrunk world finished; its parked ranks are stopped with the spares
+        now = time.monotonic()
+        if now < self.next_watch:
+            return False
+        self.next_watch = now + WATCH_S
         self.watch_hangs(codes)
         self.watch_progress(codes)
         self.watch_shrunk()

@@ -37,8 +37,14 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def _stat(pid: int) -> list[str] | None:
     """The fields of /proc/<pid>/stat after the command name (state, parent, ...); None if unreadable."""
+    # os.open and os.read, not pathlib: the launcher reads each rank's stat 200 times a second (`dying_status`).
     try:
-        fields = Path(f"/proc/{pid}/stat").read_bytes().decode(errors="replace").rsplit(")", 1)[1].split()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        try:
+            raw = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        fields = raw.decode(errors="replace").rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
     return fields or None
