@@ -102,6 +102,11 @@ def test_kill_then_hang_recover_p2p_in_process_and_end_bitwise_equal(reference: 
     # Tier 2: rank 1's replacement trains its first step on the batch rank 1's prefetch left in shared memory.
     spare_logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "kill-hang" / "logs").glob("spare_*"))
     assert "[rank 1] data: first batch at step 3 from the cache" in spare_logs, spare_logs[-3000:]
+    # Every fit that started from a state (the survivors' and the replacements') built its model without
+    # megatron's initialisation: the state overwrote every parameter (and the run ends equal, above).
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "kill-hang" / "logs").glob("*.log"))
+    back = [line for line in logs.splitlines() if "back in fit:" in line]
+    assert len(back) >= 4 and all("model built uninitialised" in line for line in back), back
     # The hang is found by the progress watchdog: after its 5 s floor, and before the 8 s collective timeout
     # expires unless this machine's steps were so slow that its deadline (10 x their p95) is the later one.
     assert hang["hang"]["2"].startswith("stopped (state T)") and hang["hang_deadline_s"] >= 5, hang

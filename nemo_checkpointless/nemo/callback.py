@@ -119,8 +119,9 @@ class CheckpointlessCallback(pl.Callback):
         if strategy.reentry:  # the first step after a recovery: where the time to re-enter `fit` went
             t = strategy.reentry
             print(f"[rank {session.env.rank}] back in fit: fit set-up {t['train_start'] - t['recovered']:.2f} s "
-                  f"(of which groups {t.get('groups', 0.0):.2f} s), first step {time.time() - t['train_start']:.2f} s",
-                  flush=True)
+                  f"(of which groups {t.get('groups', 0.0):.2f} s; model built "
+                  f"{'uninitialised' if strategy.built_uninitialised else 'and initialised'}), first step "
+                  f"{time.time() - t['train_start']:.2f} s", flush=True)
             strategy.reentry = {}
         session.stamps.stamp(step)
         session.beacon.mark(step, progress.BATCH_END)

@@ -137,6 +137,9 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.reentry: dict[str, float] = {}  # times of the phases of the last re-entry into `fit`
         self.fault_watch: FaultWatch | None = None  # this generation's, set by the launcher (`nemo.restart`)
         self._position_from_resume = False
+        # megatron's `perform_initialization` as it was before a resuming fit turned it off (None: not off)
+        self._init_before: bool | None = None
+        self.built_uninitialised = False  # the last fit's model was built without initialisation (a resume)
         self.kill_at_gather: set[int] = set()  # fault plan kind kill, target gather: the steps (1-based)
 
     # ------------------------------------------------------------------------------------------ the session
@@ -177,9 +180,15 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         (prefix `nemo/gen<g>/`), and `resume` (a `MegatronParticipant` state) is loaded once the model and
         optimizer exist."""
         self.pg_store = dist.PrefixStore(f"nemo/gen{self.session.membership.generation}/", self.session.store)
+        self._restore_initialization()  # a fit that failed before its `setup` left it off
         self.resume = resume
         self.resume_step = int(resume[1]["step"]) if resume is not None else 0
         self._position_from_resume = resume is not None
+
+    def _restore_initialization(self) -> None:
+        if self._init_before is not None:
+            self.lightning_module.config.perform_initialization = self._init_before
+            self._init_before = None
 
     def job_dims(self, world_size: int | None = None) -> ParallelDims:
         """The job's layout in our topology's terms (raises `ConfigError` naming the key when it is invalid)."""
@@ -212,6 +221,13 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.cluster_environment.set_global_rank(env.rank)
         # Before init_process_group: a bad num_instances fails here with our message, not inside megatron.
         self.dims = self.job_dims()
+        if self.resume is not None and self._init_before is None:
+            # A fit that starts from a state (a survivor's own, a replacement's received one, a checkpoint's)
+            # overwrites every parameter once the model exists (`MegatronParticipant.load_state` writes each one,
+            # and restores the RNG the skipped initialisation would have drawn from): megatron's initialisation of
+            # the model is skipped. Off from here, because Lightning builds the model (the `configure_model` hook)
+            # after `setup_environment` and before `setup`, which turns it back on.
+            self._init_before = _initialization_off(self.lightning_module)
         super().setup_environment()
         self._check_megatron_groups()
 
@@ -290,14 +306,14 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
                               "CheckpointlessMegatronStrategy needs CheckpointlessCallback (the per-step record of "
                               "what each rank trained on, the recovery records, the run summary)",
                               "add CheckpointlessCallback() to the trainer's callbacks")
-        # A fit that starts from a state (a survivor's own, a replacement's received one, a checkpoint's) overwrites
-        # every parameter once the model exists: megatron's initialisation of the model it builds is skipped.
-        skip_init = self.resume is not None
         # megatron-core's optimizer builder gathers every rank's parameter-group keys with `all_gather_object`
         # (a pickle from each peer): JSON here (`restart.objects`).
-        with (_without_initialization(trainer.lightning_module) if skip_init else contextlib.nullcontext(),
-              objects.json_object_collectives()):
-            super().setup(trainer)
+        try:
+            with objects.json_object_collectives():
+                super().setup(trainer)
+            self.built_uninitialised = self._init_before is not None
+        finally:
+            self._restore_initialization()
         assert self.dims is not None
         if not self.global_batch_size and self.data_sampler is not None:
             self.global_batch_size = int(getattr(self.data_sampler, "global_batch_size", 0) or 0)
@@ -444,21 +460,15 @@ def one_gloo_group_per_member_set() -> Iterator[None]:
         dist.new_group = original
 
 
-@contextlib.contextmanager
-def _without_initialization(module: Any) -> Iterator[None]:
-    """megatron's `perform_initialization` off on the model's config while its model is built (its params then
-    hold whatever memory they got until the state is loaded: `MegatronParticipant.load_state` writes every one, and
-    the RNG the skipped initialisation would have drawn from is restored with the state)."""
+def _initialization_off(module: Any) -> bool | None:
+    """megatron's `perform_initialization` turned off on `module`'s config; returns the value it had (None where
+    the config is not megatron's: nothing to skip)."""
     config: Any = getattr(module, "config", None)
     before = getattr(config, "perform_initialization", None)
-    if not isinstance(before, bool):  # not a megatron config: nothing to skip
-        yield
-        return
+    if not isinstance(before, bool):
+        return None
     config.perform_initialization = False
-    try:
-        yield
-    finally:
-        config.perform_initialization = before
+    return before
 
 
 def _distributed_optimizer_ddp() -> Any:
