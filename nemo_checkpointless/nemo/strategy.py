@@ -137,8 +137,8 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.reentry: dict[str, float] = {}  # times of the phases of the last re-entry into `fit`
         self.fault_watch: FaultWatch | None = None  # this generation's, set by the launcher (`nemo.restart`)
         self._position_from_resume = False
-        # megatron's `perform_initialization` as it was before a resuming fit turned it off (None: not off)
-        self._init_before: bool | None = None
+        # the config's init methods a resuming fit replaced with a no-op, by field (None: none replaced)
+        self._init_before: dict[str, Any] | None = None
         self.built_uninitialised = False  # the last fit's model was built without initialisation (a resume)
         self.kill_at_gather: set[int] = set()  # fault plan kind kill, target gather: the steps (1-based)
 
@@ -187,7 +187,9 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
 
     def _restore_initialization(self) -> None:
         if self._init_before is not None:
-            self.lightning_module.config.perform_initialization = self._init_before
+            config = self.lightning_module.config
+            for name, method in self._init_before.items():
+                setattr(config, name, method)
             self._init_before = None
 
     def job_dims(self, world_size: int | None = None) -> ParallelDims:
@@ -460,15 +462,26 @@ def one_gloo_group_per_member_set() -> Iterator[None]:
         dist.new_group = original
 
 
-def _initialization_off(module: Any) -> bool | None:
-    """megatron's `perform_initialization` turned off on `module`'s config; returns the value it had (None where
-    the config is not megatron's: nothing to skip)."""
+def _initialization_off(module: Any) -> dict[str, Any] | None:
+    """The init methods of `module`'s megatron config (`init_method`, `output_layer_init_method`,
+    `embedding_init_method`, ...) replaced with a no-op; returns the replaced ones by field (None where the config
+    is not megatron's: nothing to skip).
+
+    Not `perform_initialization = False`: with it, megatron's tensor-parallel layers also skip marking their
+    weights as tensor-parallel (`set_tensor_model_parallel_attributes` runs inside the initialisation), so under
+    TP > 1 the gradient norm then counts a TP rank's weights as duplicates and leaves them out: a different clip,
+    a different run. With a no-op init method the layers still allocate, split and mark their weights."""
     config: Any = getattr(module, "config", None)
-    before = getattr(config, "perform_initialization", None)
-    if not isinstance(before, bool):
+    if not isinstance(getattr(config, "perform_initialization", None), bool):
         return None
-    config.perform_initialization = False
+    before = {name: value for name, value in vars(config).items() if name.endswith("init_method") and callable(value)}
+    for name in before:
+        setattr(config, name, _no_initialisation)
     return before
+
+
+def _no_initialisation(tensor: torch.Tensor) -> None:
+    """An init method that leaves the tensor as allocated (the state loaded next writes it)."""
 
 
 def _distributed_optimizer_ddp() -> Any:
