@@ -465,7 +465,7 @@ def one_gloo_group_per_member_set() -> Iterator[None]:
 def _initialization_off(module: Any) -> dict[str, Any] | None:
     """The init methods of `module`'s megatron config (`init_method`, `output_layer_init_method`,
     `embedding_init_method`, ...) replaced with a no-op; returns the replaced ones by field (None where the config
-    is not megatron's: nothing to skip).
+    is not megatron's or has no init method: nothing skipped).
 
     Not `perform_initialization = False`: with it, megatron's tensor-parallel layers also skip marking their
     weights as tensor-parallel (`set_tensor_model_parallel_attributes` runs inside the initialisation), so under
@@ -477,7 +477,7 @@ def _initialization_off(module: Any) -> dict[str, Any] | None:
     before = {name: value for name, value in vars(config).items() if name.endswith("init_method") and callable(value)}
     for name in before:
         setattr(config, name, _no_initialisation)
-    return before
+    return before or None  # no init method on the config: nothing skipped, and 'built uninitialised' stays false
 
 
 def _no_initialisation(tensor: torch.Tensor) -> None:
