@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from typing import Any
 
 import pytest
 import torch
-from harness import RankContext, launch_ranks, run_threads
+from harness import RankContext, launch_ranks, run_threads, wait_until
 
 from nemo_checkpointless.restart.groups import FAULT_KEY, Membership, PeerFailure
 
@@ -212,17 +213,22 @@ def test_run_threads_reraises_first_error_and_releases_the_others() -> None:
 
 @pytest.mark.timeout(60)
 def test_run_threads_fails_when_a_rank_hangs() -> None:
-    release = time.monotonic() + 1.0
+    # Rank 0 hangs until the test releases it: a hang bounded by an event, not by a clock the test races
+    # (a 1 s release raced the 0.3 s timeout and lost on a loaded CI machine).
+    release = threading.Event()
 
     def fn(m: Membership) -> int:
-        while m.rank == 0 and time.monotonic() < release:
-            time.sleep(0.01)
+        if m.rank == 0:
+            release.wait(30)
         return m.rank
 
-    with pytest.raises(TimeoutError, match=r"ranks \[0\] of 2 still running"):
-        run_threads(2, fn, timeout_s=0.3)
-    while time.monotonic() < release + 0.2:  # let the daemon thread finish before the leak check looks
-        time.sleep(0.05)
+    try:
+        with pytest.raises(TimeoutError, match=r"ranks \[0\] of 2 still running"):
+            run_threads(2, fn, timeout_s=0.3)
+    finally:
+        release.set()
+    # let the daemon thread finish before the leak check looks
+    wait_until(lambda: not any(t.name == "rank0" for t in threading.enumerate()), 10, "thread rank0 to finish")
 
 
 def test_fault_key_name_is_stable() -> None:
