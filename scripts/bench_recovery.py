@@ -19,6 +19,7 @@ restart / p2p of the medians. Figures go to stdout and to the JSON file given by
     python scripts/bench_recovery.py --kills 5 --out runs/bench/recovery.json
     python scripts/bench_recovery.py --engine nemo --kills 3 --out runs/bench/recovery_nemo.json   # [nemo] extra
     python scripts/bench_recovery.py --engine nemo --kills 3 --target gather   # kills as the all-gather starts
+    python scripts/bench_recovery.py --engine nemo --kills 3 --tp 2   # tensor parallel: DP=2, N=2
 
 `--engine nemo` runs `recipe=tiny_llama_nemo` (NeMo 2 + megatron-core on gloo, with the test suite's CPU shim:
 `launcher.preload=[nemo_shim]`, tests/ on PYTHONPATH) with kills GAP_NEMO steps apart.
@@ -75,6 +76,8 @@ def main() -> int:
     parser.add_argument("--target", choices=("start", "gather"), default="start",
                         help="where each kill lands: the step's start, or after its gradient all-reduce as the "
                              "parameter all-gather starts (the killed rank's instance partners are rolled forward)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel size of every run (parallel.tp; 2 with 4 ranks: DP=2, N=2)")
     args = parser.parse_args()
     base = Path(args.dir).absolute() / args.engine
     gap = GAP_NEMO if args.engine == "nemo" else GAP
@@ -83,6 +86,8 @@ def main() -> int:
     target = ",target:gather" if args.target == "gather" else ""
     plan = "[" + ",".join(f"{{kind:kill,rank:{r},step:{s}{target}}}" for s, r in faults) + "]"
     engine = ["recipe=tiny_llama_nemo", "launcher.preload=[nemo_shim]"] if args.engine == "nemo" else []
+    if args.tp > 1:
+        engine.append(f"parallel.tp={args.tp}")
     common = [*engine, f"trainer.max_steps={steps}", "checkpoint.every_n_steps=10", "replication.num_instances=2",
               "replication.spares=1"]
     results = {
@@ -94,7 +99,7 @@ def main() -> int:
     }
     ref = results["reference"]
     report: dict[str, Any] = {"job": {"engine": args.engine, "steps": steps, "faults": faults, "target": args.target,
-                                      "world_size": ref["world_size"]}, "runs": {}}
+                                      "tp": args.tp, "world_size": ref["world_size"]}, "runs": {}}
     for name, s in results.items():
         recs = s["recoveries"]
         report["runs"][name] = {

@@ -117,10 +117,10 @@ def test_killed_at_a_random_moment_ends_equal_and_survivors_keep_their_pids(refe
 def test_model_parallel_kill_recovers_p2p_and_ends_equal(layout: tuple[str, str], tmp_path: Path) -> None:
     reference = _finish(_launch(tmp_path / "faultfree", script_args=layout), tmp_path / "faultfree")
     run_dir = tmp_path / "killed"
-    # The replacement's first step compiles megatron's fused functions for this layout's shapes (its spare warmed
-    # them up for TP = PP = 1 only): 2 s here, 11 s once on a loaded machine, where the survivors' 8 s collective
-    # timeout then declared a second failure (the job still ended equal). A longer timeout keeps this test on
-    # the one recovery it is about.
+    # The spare warms megatron's fused functions up for each TP rank's shapes (`warm_up_kernels`). Before it did,
+    # the replacement's first step compiled them: 2 s here, 11 s once on a loaded machine, where the survivors' 8 s
+    # collective timeout then declared a second failure. A longer timeout keeps this test on the one recovery it
+    # is about should the warm-up fail.
     summary = _finish(_launch(run_dir, "--spares", "1", "--fault", "kill:1:6", "--collective-timeout", "30",
                               script_args=(*layout, "--mmap")), run_dir)
     _assert_equal(reference, summary)  # through the cache, equal to the bare module's fault-free run
@@ -132,6 +132,9 @@ def test_model_parallel_kill_recovers_p2p_and_ends_equal(layout: tuple[str, str]
     spare_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("spare_*"))
     assert f"[rank 1] data: first batch at step {5 * 8 // (2 * 2)} from the cache" in spare_logs, spare_logs[-3000:]
     assert summary["ranks"][1]["data_cache"]["hits"] > 0, summary["ranks"][1]
+    # The replacement's first step compiled nothing: its spare compiled this layout's graphs, TP slices included.
+    back = [line for line in spare_logs.splitlines() if line.startswith("[rank 1] back in fit:")]
+    assert len(back) == 1 and back[0].endswith("(0 graphs compiled)"), back
     if layout[0] != "--tp":
         return
     # Both replicas of TP slice 1 (ranks 1 and 3) lost at once: the job falls back to the persistent checkpoint,

@@ -20,6 +20,7 @@ import datetime
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,7 @@ class CheckpointlessCallback(pl.Callback):
         if strategy.reentry:
             strategy.reentry["train_start"] = time.time()
             strategy.reentry["groups"] = strategy.groups_s
+            strategy.reentry["graphs"] = compiled_graphs()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -121,7 +123,8 @@ class CheckpointlessCallback(pl.Callback):
             print(f"[rank {session.env.rank}] back in fit: fit set-up {t['train_start'] - t['recovered']:.2f} s "
                   f"(of which groups {t.get('groups', 0.0):.2f} s; model built "
                   f"{'uninitialised' if strategy.built_uninitialised else 'and initialised'}), first step "
-                  f"{time.time() - t['train_start']:.2f} s", flush=True)
+                  f"{time.time() - t['train_start']:.2f} s ({compiled_graphs() - t['graphs']:.0f} graphs compiled)",
+                  flush=True)
             strategy.reentry = {}
         session.stamps.stamp(step)
         session.beacon.mark(step, progress.BATCH_END)
@@ -185,3 +188,10 @@ class CheckpointlessCallback(pl.Callback):
                    "data_steps": data.steps, "train_end_t": time.time()}
         write_worker_summary(self.run_dir, summary)
         store.set(finished_key(os.getpid()), "1")
+
+
+def compiled_graphs() -> int:
+    """How many graphs `torch.compile` has compiled in this process (megatron's fused functions are compiled in
+    the first step that calls them: a replacement whose spare warmed them up compiles none)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0

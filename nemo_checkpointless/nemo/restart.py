@@ -76,7 +76,9 @@ class InProcessLauncher(_Launcher):
             datamodule = next((a for a in args[1:4] if hasattr(a, "micro_batch_size")), None)
             seq_len = getattr(getattr(args[0], "config", None), "seq_length", None)
             if datamodule is not None and seq_len:
-                warm_up_kernels(args[0], int(datamodule.micro_batch_size), int(seq_len))
+                warm_up_kernels(args[0], int(datamodule.micro_batch_size), int(seq_len),
+                                tp=int(strategy.tensor_model_parallel_size or 1),
+                                sequence_parallel=bool(strategy.sequence_parallel))
         freeze_heap()  # once per process: what the script built before fit stays out of later collections
         strategy.ensure_session()
         session = strategy.session
@@ -114,28 +116,72 @@ _WARM = False  # this process (or the template it was forked from) ran `warm_up_
 NEMO_DEFAULT_SEED = 1234  # the seed NeMo's `init_parallel_ranks` gives Megatron's RNG tracker
 
 
-def warm_up_kernels(module: Any, micro_batch_size: int, seq_len: int, seed: int = NEMO_DEFAULT_SEED) -> None:
-    """A hot spare's warm-up, so that its first step after a join costs what a survivor's does: on a private one-rank
-    process group (never the job's), build `module`'s megatron model (TP = PP = 1) and run one forward and backward
-    on a dummy micro-batch of the job's shape, which compiles megatron's fused functions (`torch.compile`: 2.4 s
-    here for the tiny Llama) the way the job's step calls them. The backward goes through megatron's own
-    `custom_backward`, as its schedule does (`torch.autograd.backward` runs under another torch-function mode stack,
-    and dynamo would compile again), from a loss reduced as NeMo's masked token loss reduces it (a plain `sum()`
-    hands the compiled cross-entropy backward a stride-0 gradient, and dynamo compiles it again in the first real
-    step). Then the model, the group and megatron's state are dropped: the real `fit` builds the model again on the
-    job's groups and loads the state it receives. Once per process; never fatal (the first step compiles instead)."""
+def warm_up_kernels(module: Any, micro_batch_size: int, seq_len: int, seed: int = NEMO_DEFAULT_SEED,
+                    tp: int = 1, sequence_parallel: bool = False) -> None:
+    """A hot spare's warm-up, so that its first step after a join costs what a survivor's does: on a private process
+    group (never the job's), build `module`'s megatron model and run one forward and backward on a dummy
+    micro-batch of the job's shape, which compiles megatron's fused functions (`torch.compile`: 2.4 s here for the
+    tiny Llama) the way the job's step calls them. The backward goes through megatron's own `custom_backward`, as
+    its schedule does (`torch.autograd.backward` runs under another torch-function mode stack, and dynamo would
+    compile again), from a loss reduced as NeMo's masked token loss reduces it (a plain `sum()` hands the compiled
+    cross-entropy backward a stride-0 gradient, and dynamo compiles it again in the first real step).
+
+    TP = 1 (PP any: a pipeline stage's layers have the whole model's shapes): one rank of a one-rank gloo group.
+    TP = `tp` > 1: the model of each TP rank in turn, as rank r of a `tp`-rank world of torch's fake process group
+    (no communication: a collective returns at once and leaves its output as it was; the values do not matter
+    here), with the job's `sequence_parallel` (its gathers and scatters then have their real shapes too). The fused
+    functions are compiled for one TP rank's slices (heads, FFN, vocabulary), and once per TP rank
+    where a rank's own numbers reach them (the vocabulary range of the cross-entropy: dynamo specialises on it),
+    with dynamo's automatic dynamic shapes off, so that each rank's entry is the static one a survivor of that TP
+    rank compiled (with it on, the second rank's call would compile a dynamic-shape version instead). The spare
+    does not know which TP rank it will replace.
+
+    Then the model, the group and megatron's state are dropped: the real `fit` builds the model again on the job's
+    groups and loads the state it receives. Once per process; never fatal (the first step compiles instead)."""
     global _WARM
     import torch.distributed as dist
 
     if _WARM or dist.is_initialized():
         return
     _WARM = True
+    if tp == 1:
+        _warm_up_one(module, micro_batch_size, seq_len, seed, "gloo", 0, 1)
+        return
+    import torch._dynamo
+
+    try:
+        import torch.testing._internal.distributed.fake_pg  # (registers torch's "fake" backend)
+    except ImportError as e:
+        print(f"spare warm-up: skipped, torch has no fake process group ({e}); the first step after a join will "
+              "compile", flush=True)
+        return
+    config = getattr(module, "config", None)
+    # As the strategy sets them when `fit` starts: the vocabulary is padded to a multiple of the TP size.
+    layout = {"tensor_model_parallel_size": tp, "sequence_parallel": sequence_parallel}
+    before = {name: getattr(config, name) for name in layout if hasattr(config, name)}
+    for name in before:
+        setattr(config, name, layout[name])
+    try:
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            for tp_rank in range(tp):
+                if not _warm_up_one(module, micro_batch_size, seq_len, seed, "fake", tp_rank, tp):
+                    break
+    finally:
+        for name, value in before.items():
+            setattr(config, name, value)
+
+
+def _warm_up_one(module: Any, micro_batch_size: int, seq_len: int, seed: int, backend: str, rank: int,
+                 world_size: int) -> bool:
+    """`warm_up_kernels` as `rank` of a private `world_size`-rank world of `backend` (TP = world size, PP = 1):
+    build, one forward and backward, drop. False if the forward or backward failed (said on stdout)."""
+    import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.pipeline_parallel.schedules import custom_backward
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(world_size, 1, create_gloo_process_groups=backend == "gloo")
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         module.configure_model()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
@@ -146,9 +192,12 @@ def warm_up_kernels(module: Any, micro_batch_size: int, seq_len: int, seed: int 
         loss_mask = torch.ones(micro_batch_size, seq_len, device=device)
         custom_backward((loss.float() * loss_mask).sum() / loss_mask.sum(), None)
         warm_up_logging(loss.device)
+        return True
     except Exception as e:
-        print(f"spare warm-up: forward/backward failed ({type(e).__name__}: {e}); the first step after a join "
-              "will compile", flush=True)
+        where = f" (as TP rank {rank} of {world_size})" if world_size > 1 else ""
+        print(f"spare warm-up: forward/backward failed{where} ({type(e).__name__}: {e}); the first step after a "
+              "join will compile", flush=True)
+        return False
     finally:
         if "module" in getattr(module, "_modules", {}):
             del module.module

@@ -158,7 +158,8 @@ def warm_up(cfg: Config, run_dir: Path) -> None:
     build_trainer(cfg, run_dir, build_strategy(cfg, run_dir))
     from nemo_checkpointless.nemo.restart import warm_up_kernels
 
-    warm_up_kernels(module, cfg.data.micro_batch_size, cfg.data.seq_len, cfg.seed)
+    warm_up_kernels(module, cfg.data.micro_batch_size, cfg.data.seq_len, cfg.seed, tp=cfg.parallel.tp,
+                    sequence_parallel=cfg.parallel.sequence_parallel and cfg.parallel.tp > 1)
 
 
 def _prepare(run_dir: Path) -> tuple[Config, Any]:
