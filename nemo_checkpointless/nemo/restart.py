@@ -134,7 +134,7 @@ def warm_up_kernels(module: Any, micro_batch_size: int, seq_len: int, seed: int 
     where a rank's own numbers reach them (the vocabulary range of the cross-entropy: dynamo specialises on it),
     with dynamo's automatic dynamic shapes off, so that each rank's entry is the static one a survivor of that TP
     rank compiled (with it on, the second rank's call would compile a dynamic-shape version instead). The spare
-    does not know which TP rank it will replace.
+    does not know which TP rank it will replace. From dynamo's recompile limit (8) up, TP rank 0 only.
 
     Then the model, the group and megatron's state are dropped: the real `fit` builds the model again on the job's
     groups and loads the state it receives. Once per process; never fatal (the first step compiles instead)."""
@@ -161,9 +161,14 @@ def warm_up_kernels(module: Any, micro_batch_size: int, seq_len: int, seed: int 
     before = {name: getattr(config, name) for name in layout if hasattr(config, name)}
     for name in before:
         setattr(config, name, layout[name])
+    # One entry per TP rank in dynamo's cache of each cross-entropy function, with room for one more: with as many
+    # as its recompile limit, a replacement whose rank misses would run that function uncompiled, unlike its
+    # survivors (then only TP rank 0 is warmed; another rank's replacement compiles its own in its first step).
+    limit = int(getattr(torch._dynamo.config, "recompile_limit", 0) or torch._dynamo.config.cache_size_limit)
+    tp_ranks = range(tp) if tp < limit else range(1)
     try:
         with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-            for tp_rank in range(tp):
+            for tp_rank in tp_ranks:
                 if not _warm_up_one(module, micro_batch_size, seq_len, seed, "fake", tp_rank, tp):
                     break
     finally:
