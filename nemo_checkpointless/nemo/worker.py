@@ -155,11 +155,14 @@ def warm_up(cfg: Config, run_dir: Path) -> None:
        would compile again). Then destroy the group and megatron's state. Nothing is kept: the model is rebuilt,
        and params, optimizer state and RNG arrive from the replica. A failure here costs only the speed-up."""
     module = build_model(cfg)  # the Lightning module only: megatron's model is configured in `fit`
-    build_trainer(cfg, run_dir, build_strategy(cfg, run_dir))
+    strategy = build_strategy(cfg, run_dir)
+    build_trainer(cfg, run_dir, strategy)
     from nemo_checkpointless.nemo.restart import warm_up_kernels
 
-    warm_up_kernels(module, cfg.data.micro_batch_size, cfg.data.seq_len, cfg.seed, tp=cfg.parallel.tp,
-                    sequence_parallel=cfg.parallel.sequence_parallel and cfg.parallel.tp > 1)
+    # The layout as the strategy holds it, as a user script's spare reads it (`InProcessLauncher.launch`).
+    warm_up_kernels(module, cfg.data.micro_batch_size, cfg.data.seq_len, cfg.seed,
+                    tp=int(strategy.tensor_model_parallel_size or 1),
+                    sequence_parallel=bool(strategy.sequence_parallel))
 
 
 def _prepare(run_dir: Path) -> tuple[Config, Any]:
