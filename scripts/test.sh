@@ -7,6 +7,7 @@
 #   .venv-nemo  the package with the [nemo] and [bench] extras: the `nemo`-marked tests (NeMo 2 + megatron-core on
 #               gloo) and the `bench`-marked one (checkpointless-bench with its peers, NVRx and torchft; NeMo's own
 #               extras already pull in nvidia-resiliency-ext, whose pynvml warns at every `import torch`)
+# Each suite lists its 25 slowest tests at the end (where the CI time goes).
 # torch==2.13.0 goes first in each (the CPU wheel) and is held there by a constraint: a bare `torch` requirement
 # with no torch installed resolves to a multi-GB CUDA build.
 set -euo pipefail
@@ -28,9 +29,9 @@ if ! { command -v slurmctld || [ -x /usr/sbin/slurmctld ]; } >/dev/null || ! com
         slurmctld slurm-client; } >/dev/null || echo "scripts/test.sh: could not install Slurm; its test skips" >&2
   fi
 fi
-.venv/bin/python -m pytest -q
+.venv/bin/python -m pytest -q --durations=25
 
 python3 -m venv .venv-nemo
 .venv-nemo/bin/pip install -q "$TORCH"
 .venv-nemo/bin/pip install -q -c "$constraints" -e ".[dev,nemo,bench]"
-.venv-nemo/bin/python -m pytest -q -m "nemo or bench"
+.venv-nemo/bin/python -m pytest -q --durations=25 -m "nemo or bench"
