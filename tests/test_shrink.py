@@ -66,8 +66,8 @@ def _launch(run_dir: Path, *args: str, script_args: tuple[str, ...] = ARGS) -> s
     return subprocess.Popen(cmd, env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def _run(run_dir: Path, *args: str) -> dict[str, Any]:
-    return finish_job(_launch(run_dir, *args), run_dir, "user_rank{r}.json", TIMEOUT_S)
+def _run(run_dir: Path, *args: str, script_args: tuple[str, ...] = ARGS) -> dict[str, Any]:
+    return finish_job(_launch(run_dir, *args, script_args=script_args), run_dir, "user_rank{r}.json", TIMEOUT_S)
 
 
 def _curve(run_dir: Path, rank: int) -> dict[int, float]:
@@ -89,9 +89,12 @@ def test_shrink_then_grow_trains_the_same_samples_and_grows_back_deterministical
     assert shrink["step"] == 5 and shrink["resumed_from_step"] == 4 and shrink["steps_lost"] == 0, brief
     assert shrink["replacement"] == {"1": "none: the job shrank"}, brief
     assert grow["failed_ranks"] == [0, 1] and grow["path"] == "p2p", brief
-    assert grow["replacement"] == {"0": "parked survivor", "1": "warm spare"}, brief
     grew_after = grow["resumed_from_step"]
-    assert 5 <= grew_after < STEPS, brief
+    assert 5 <= grew_after <= STEPS, brief
+    # Grown back when the spare was ready; or, on a machine slow to start it, after the last step (a shrunk world
+    # does not end shrunk), when the spare may still be starting.
+    spare = {"warm spare"} if grew_after < STEPS else {"warm spare", "starting spare"}
+    assert grow["replacement"]["0"] == "parked survivor" and grow["replacement"]["1"] in spare, brief
     # Every survivor kept its process, the parked rank 0 too.
     assert [len(shrunk["pids"][str(r)]) for r in range(4)] == [1, 2, 1, 1], shrunk["pids"]
     assert shrunk["final_step"] == STEPS
@@ -114,6 +117,28 @@ def test_shrink_then_grow_trains_the_same_samples_and_grows_back_deterministical
         assert told["ranks"][r]["params_sha256"] == ranks[r]["params_sha256"]
         assert told["ranks"][r]["shard_sha256"] == ranks[r]["shard_sha256"]
     assert told["data_sha256"] == reference["data_sha256"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_shrunk_world_grows_back_before_it_ends(tmp_path: Path) -> None:
+    # Shrunk at step 5 of 8: the spare started for rank 1 is still importing when the last step is done. The job
+    # does not end shrunk: it grows back after step 8, and every rank, the parked rank 0 too (the rank that saves
+    # the model in most scripts), leaves `fit` with the final state and runs the rest of the script.
+    steps = 8
+    summary = _run(tmp_path / "end", "--shrink", "--fault", "kill:1:5",
+                   script_args=("--max-steps", str(steps), "--step-sleep", "0.05"))
+    brief = json.dumps(summary["recoveries"], indent=1)
+    assert [r["kind"] for r in summary["reshapes"]] == ["shrink", "grow"], brief
+    grow = summary["recoveries"][1]
+    assert grow["failed_ranks"] == [0, 1] and grow["path"] == "p2p", brief
+    assert grow["replacement"]["0"] == "parked survivor", brief
+    assert summary["final_step"] == steps
+    assert [len(summary["pids"][str(r)]) for r in range(4)] == [1, 2, 1, 1], summary["pids"]
+    ranks = summary["ranks"]  # every rank wrote its file after `fit`
+    assert [ranks[r]["global_step"] for r in range(4)] == [steps] * 4, ranks
+    assert len({ranks[r]["params_sha256"] for r in range(4)}) == 1
+    assert ranks[0]["shard_sha256"] == ranks[2]["shard_sha256"] and ranks[1]["shard_sha256"] == ranks[3]["shard_sha256"]
 
 
 @pytest.mark.slow

@@ -724,7 +724,7 @@ class _Job:
             self.replace(failed, codes)
             return False
         if all(c == 0 for r, c in codes.items() if r not in self.parked):
-            return True  # a shrunk world finished; its parked ranks are stopped with the spares
+            return True  # (a shrunk world grows back before its ranks end: none is parked here in practice)
         now = time.monotonic()
         if now < self.next_watch:
             return False

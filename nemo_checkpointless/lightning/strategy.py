@@ -938,8 +938,13 @@ class CheckpointlessStrategy(ParallelStrategy):
     def end_of_training_barrier(self) -> None:
         """No rank leaves training before every rank has completed the last step: a rank lost in it is recovered
         while its peers (its replica among them, which may have finished) are all still here. Recovered like a
-        step's collective; a fallback to the checkpoint leaves `fit` (`RestartFromCheckpoint`) and trains again."""
+        step's collective; a fallback to the checkpoint leaves `fit` (`RestartFromCheckpoint`) and trains again.
+        A shrunk world does not end shrunk: it grows back first (`_Regroup`, the spares started for the missing
+        ranks taking them, waited for if still starting), so that every rank, the parked ones too, leaves `fit` with
+        the final state and runs what the script does after it (rank 0 saving the model, typically)."""
         self._boundary = capture_rng()  # after the last step: the boundary a replacement would receive
+        if self.membership.active is not None:
+            raise _Regroup()  # every rank of the shrunk world is here after the same last step
         while True:
             try:
                 self.membership.world().all_reduce(torch.zeros(1))
