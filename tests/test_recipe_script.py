@@ -225,4 +225,8 @@ def test_a_recipe_runs_a_users_lightning_script_with_a_preload_module(tmp_path: 
     (record,) = summary["recoveries"]
     assert record["failed_ranks"] == [1] and record["path"] == "p2p", record
     pids = {p for procs in summary["pids"].values() for p in procs}
-    assert pids <= {int(p.name.split("_")[1]) for p in run_dir.glob("preloaded_*")}, "a process missed the preload"
+    preloaded = {int(p.name.split("_")[1]) for p in run_dir.glob("preloaded_*")}
+    # Every rank and spare is forked from the rank template (restart.script_runner), which installed the preload
+    # (before Lightning: the probe's assertion) and says so once, under its own pid; they inherit it.
+    forked = {int(p.stem) for p in (run_dir / "forked").glob("*.json")}
+    assert pids <= forked and len(preloaded - pids) == 1, "a process missed the preload"

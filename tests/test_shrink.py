@@ -147,8 +147,10 @@ def test_a_fault_while_shrunk_grows_back_at_once_and_falls_back_when_no_replica_
     # Rank 1 lost at step 5 (shrunk to ranks 2, 3); rank 2 lost at step 10, while shrunk: both copies of shard 0
     # (ranks 0, parked since step 4, and 2) are gone, so the job grows back at once and every rank reloads the
     # checkpoint of step 8, written by the instance that was training.
+    # The plan's `grow` after the last step keeps the job shrunk until the second fault, however soon the spare
+    # is ready (the launcher grows back at a planned step only).
     summary = _run(tmp_path / "twice", "--shrink", "--checkpoint-every", "4", "--fault", "kill:1:5",
-                   "--fault", "kill:2:10")
+                   "--fault", "kill:2:10", "--fault", f"grow:2:{STEPS}")
     brief = json.dumps(summary["recoveries"], indent=1)
     assert [r["kind"] for r in summary["reshapes"]] == ["shrink", "grow"], brief
     second = summary["recoveries"][1]

@@ -151,10 +151,14 @@ def _fault_plan(specs: list[str]) -> list[dict[str, Any]]:
 
 
 # Run with `python -u -c` as: PRELOAD (comma-separated modules) SCRIPT ARGS... Imports the modules first (calling
-# `install()` where a module has one, as the package's workers do with launcher.preload), then runs SCRIPT as
+# `install()` where a module has one, as the package's workers do with launcher.preload; not again where the rank
+# template this process was forked from did, `restart.script_runner`), then runs SCRIPT as
 # `python SCRIPT ARGS` would: `sys.argv`, `sys.path[0]` (the script's directory) and `__name__ == "__main__"`.
 _PRELOAD_BOOTSTRAP = """import importlib, os, runpy, sys
+_template = sys.modules.get("nemo_checkpointless.restart.script_runner")
 for _name in sys.argv[1].split(","):
+    if _template is not None and _template.already_installed(_name):
+        continue
     _install = getattr(importlib.import_module(_name), "install", None)
     if callable(_install):
         _install()

@@ -28,7 +28,7 @@ from nemo_checkpointless import protocol
 from nemo_checkpointless.config import Config
 from nemo_checkpointless.data.cache import new_job_id, remove_job_cache
 from nemo_checkpointless.launcher import procs
-from nemo_checkpointless.launcher.spares import ForkedSpare, SpareFactory, become_child_subreaper
+from nemo_checkpointless.launcher.spares import ForkedProcess, SpareFactory, become_child_subreaper
 from nemo_checkpointless.launcher.stragglers import StragglerWatch
 from nemo_checkpointless.launcher.watchdog import HangWatch, Reader
 from nemo_checkpointless.protocol import (
@@ -52,6 +52,7 @@ from nemo_checkpointless.protocol import (
     spare_ready_key,
     training_key,
 )
+from nemo_checkpointless.restart import script_runner
 from nemo_checkpointless.restart.cost import RATE_WINDOW, StepTimes, fault_costs
 from nemo_checkpointless.restart.progress import Beacon
 from nemo_checkpointless.restart.template import SPARE_REFILL_ENV
@@ -157,15 +158,15 @@ class ProcessHandle(Protocol):
 
 @dataclass
 class _Proc:
-    popen: subprocess.Popen[bytes] | ForkedSpare | ProcessHandle
+    popen: subprocess.Popen[bytes] | ForkedProcess | ProcessHandle
     log: Path | None
     out: IO[bytes] | None
 
 
-def _exit_status(popen: subprocess.Popen[bytes] | ForkedSpare | ProcessHandle) -> int | None:
+def _exit_status(popen: subprocess.Popen[bytes] | ForkedProcess | ProcessHandle) -> int | None:
     """A process of this machine: its exit code, or the failure it is exiting with (`procs.exit_status`). One on
     another node: what its agent reported (the agent reads that node's /proc; a pid means nothing here)."""
-    if isinstance(popen, (subprocess.Popen, ForkedSpare)):
+    if isinstance(popen, (subprocess.Popen, ForkedProcess)):
         return procs.exit_status(popen)
     return popen.poll()
 
@@ -200,7 +201,8 @@ class _Job:
     pids: dict[int, list[_Proc]] = field(default_factory=dict)  # every process that was rank r, in order
     # Processes replaced while the kernel was still tearing them down (`procs.exit_status`): reaped once it is done.
     exiting: list[_Proc] = field(default_factory=list)
-    factory: SpareFactory | None = None
+    factory: SpareFactory | None = None  # our own workers' spare template (warmed up)
+    forker: SpareFactory | None = None  # the rank template: every rank, and a user's script's spares
     faults: list[dict[str, Any]] = field(default_factory=list)
     next_watch: float = 0.0  # when `tick` next runs the watchdogs (time.monotonic)
     next_spare: int = 0
@@ -229,7 +231,17 @@ class _Job:
     def process_env(self, extra_env: dict[str, str]) -> dict[str, str]:
         return process_environ(self.cfg.launcher.threads_per_rank, extra_env)
 
+    def python_argv(self) -> list[str]:
+        """What every rank runs, as the interpreter's arguments (after `python`)."""
+        return self.command[1:] if self.command is not None else ["-u", "-m", self.worker_module]
+
     def _start(self, extra_env: dict[str, str], log_name: str | None, nice: int = 0) -> _Proc:
+        if self.forker is not None:
+            # Forked from the rank template, which imported torch and Lightning (and NeMo) once.
+            log = self.run_dir / "logs" / log_name if log_name is not None else None
+            env = {**self.process_env(extra_env), script_runner.ARGV_ENV: json.dumps(self.python_argv())}
+            return _Proc(self.forker.fork(env, log, lambda: self._spawn(extra_env, log_name, nice)[0],
+                                          replace_env=True, nice=nice), log, None)
         popen, log, out = self._spawn(extra_env, log_name, nice)
         return _Proc(popen, log, out)
 
@@ -311,8 +323,8 @@ class _Job:
             return
         # Forked from the warm template: no imports, no warm-up on the cores the ranks train on.
         log = self.run_dir / "logs" / log_name
-        self.spares[spare_id] = _Proc(self.factory.spare(spare_id, extra, log,
-                                                         spawn=lambda: self._spawn(env, log_name)[0]), log, None)
+        self.spares[spare_id] = _Proc(self.factory.fork(extra, log, spawn=lambda: self._spawn(env, log_name)[0]),
+                                      log, None)
 
     def replace(self, failed: list[int], codes: dict[int, int | None]) -> None:
         """Declare the current generation failed, give each failed rank a process, publish the next generation."""
@@ -448,7 +460,7 @@ class _Job:
             spare_id = live[0]
             how[rank] = "warm spare" if self.store.check([spare_ready_key(spare_id)]) else "starting spare"
             proc = self.spares.pop(spare_id)
-            if isinstance(proc.popen, subprocess.Popen):  # a refill started niced here trains at normal priority
+            if isinstance(proc.popen, (subprocess.Popen, ForkedProcess)):  # a refill started niced trains at 0
                 procs.restore_priority(proc.popen.pid)
             self.store.set(spare_assign_key(spare_id), protocol.Assignment(rank, self.generation).to_json())
             self.pids.setdefault(rank, []).append(proc)
@@ -808,6 +820,13 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None,
     store.set(JOB_ID_KEY, job_id)
     world = cfg.trainer.world_size
     try:
+        if script_runner.forkable([sys.executable, *job.python_argv()]) and become_child_subreaper():
+            # Every rank (and a user's script's spares) forked from one template (restart.script_runner).
+            log = os.fdopen(os.open(run_dir / "logs" / "rank_template.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                                    0o600), "wb")
+            env = {**job.process_env(job.spare_env()), **script_runner.template_env(cfg.launcher.preload, cfg.engine)}
+            job.forker = SpareFactory(script_runner.__name__, env, log, terminal=True)
+            log.close()
         for rank in range(world):
             job.start_rank(rank)
         # Our own workers have a spare template (restart.template); a worker module of one's own is not imported.
@@ -822,8 +841,9 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None,
         while not job.tick():
             time.sleep(POLL_S)
     finally:
-        if job.factory is not None:
-            job.factory.close()  # forks nothing more: every spare's pid is known below
+        for factory in (job.factory, job.forker):
+            if factory is not None:
+                factory.close()  # forks nothing more: every pid is known below
         stop_processes([*job.ranks.values(), *job.spares.values(), *job.exiting])
         remove_job_cache(cfg.data.cache_root, job_id)  # every rank has exited: nobody reads it any more
     return job.summary(round(time.perf_counter() - t0, 3))

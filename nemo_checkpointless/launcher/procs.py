@@ -5,6 +5,7 @@ outlives its launcher."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,43 @@ def live_processes() -> Iterator[tuple[int, dict[str, str]]]:
         except (OSError, ValueError, UnicodeDecodeError, IndexError):
             continue
         yield int(entry.name), dict(kv.split("=", 1) for kv in raw if "=" in kv)
+
+
+# A process forked by a template (`restart.template`) shows the template's environment in /proc/<pid>/environ
+# (the environment a process was exec'd with): it says which rank or spare it is in RUN_DIR/forked/<pid>.json.
+FORKED_DIR = "forked"
+_IDENTITY = ("RANK", SPARE_ID_ENV)
+
+
+def register_forked() -> None:
+    """In a forked process, once its environment is set: record the variables `rank_pids` reads, with the
+    process's start time (a record is trusted only for the process that wrote it, not a later one with its pid)."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return
+    folder = Path(run_dir) / FORKED_DIR
+    folder.mkdir(mode=0o700, exist_ok=True)
+    pid = os.getpid()
+    record = {"env": {k: os.environ[k] for k in _IDENTITY if k in os.environ}, "start": _start_time(pid)}
+    tmp = folder / f".{pid}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    tmp.replace(folder / f"{pid}.json")
+
+
+def _forked_env(run_dir: str | os.PathLike[str], pid: int) -> dict[str, str]:
+    """What a forked process recorded about itself (`register_forked`); {} if it did not (or is another one)."""
+    try:
+        record = json.loads((Path(run_dir) / FORKED_DIR / f"{pid}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return dict(record["env"]) if record.get("start") == _start_time(pid) else {}
+
+
+def _start_time(pid: int) -> str | None:
+    fields = _stat(pid)
+    return fields[19] if fields and len(fields) > 19 else None
 
 
 def job_pids(run_dir: str | os.PathLike[str], run_dir_var: str = RUN_DIR_ENV) -> list[int]:
@@ -103,7 +141,10 @@ def rank_pids(run_dir: str | os.PathLike[str], run_dir_var: str = RUN_DIR_ENV) -
     of the same rank."""
     candidates: dict[int, set[int]] = {}
     for pid, env in live_processes():
-        if env.get(run_dir_var) == str(run_dir) and "RANK" in env and SPARE_ID_ENV not in env:
+        if env.get(run_dir_var) != str(run_dir):
+            continue
+        env = {**env, **_forked_env(run_dir, pid)}
+        if "RANK" in env and SPARE_ID_ENV not in env:
             candidates.setdefault(int(env["RANK"]), set()).add(pid)
     out = {}
     for rank, pids in candidates.items():

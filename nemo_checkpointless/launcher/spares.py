@@ -1,8 +1,10 @@
-"""The launcher's side of the spare template (`restart.template`): hot spares forked from one warm process.
+"""The launcher's side of the template (`restart.template`): processes forked from one warm process. Our own
+workers' hot spares come from a template that ran a warm-up step; every rank and spare of a user's Python command
+from one that imported torch and Lightning (`restart.script_runner`).
 
-`SpareFactory.spare(...)` returns a `ForkedSpare` at once; the template forks it as soon as it is warm (requests
+`SpareFactory.fork(...)` returns a `ForkedProcess` at once; the template forks it as soon as it is warm (requests
 made earlier wait in its stdin). If the template cannot serve (it failed, or its warm-up left threads running),
-each spare not yet forked starts as a new interpreter instead, as a spare without a template does.
+each process not yet forked starts as a new interpreter instead, as one without a template does.
 """
 
 from __future__ import annotations
@@ -31,18 +33,18 @@ def become_child_subreaper() -> bool:
         return False
 
 
-class ForkedSpare:
-    """A spare forked by the template, with the part of `subprocess.Popen`'s interface the launcher uses."""
+class ForkedProcess:
+    """A process forked by the template, with the part of `subprocess.Popen`'s interface the launcher uses."""
 
-    def __init__(self, factory: SpareFactory, spare_id: int, spawn: Callable[[], subprocess.Popen[bytes]]) -> None:
-        self.factory, self.spare_id, self._spawn = factory, spare_id, spawn
+    def __init__(self, factory: SpareFactory, request_id: int, spawn: Callable[[], subprocess.Popen[bytes]]) -> None:
+        self.factory, self.request_id, self._spawn = factory, request_id, spawn
         self._pid: int | None = None
         self._spawned: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
 
     def _resolve(self) -> None:
         if self._pid is None and self._spawned is None:
-            pid = self.factory.pid_of(self.spare_id)
+            pid = self.factory.pid_of(self.request_id)
             if pid is not None:
                 self._pid = pid
             elif self.factory.failed:
@@ -88,15 +90,26 @@ class ForkedSpare:
 
 
 class SpareFactory:
-    """Starts the template (`python -m nemo_checkpointless.restart.template WORKER_MODULE`) and forks spares."""
+    """Starts the template (`python -m nemo_checkpointless.restart.template WORKER_MODULE`) and forks processes
+    from it. `terminal`: the template may send a process's output to this launcher's own stdout and stderr."""
 
-    def __init__(self, worker_module: str, env: dict[str, str], log: IO[bytes]) -> None:
+    def __init__(self, worker_module: str, env: dict[str, str], log: IO[bytes], terminal: bool = False) -> None:
         self._lock = threading.Lock()
         self._pids: dict[int, int] = {}
+        self._next_id = 0
         self.ready = False
         self.failed: str | None = None
-        self.proc = subprocess.Popen([sys.executable, "-m", TEMPLATE_MODULE, worker_module], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+        argv = [sys.executable, "-m", TEMPLATE_MODULE, worker_module]
+        fds: tuple[int, ...] = ()
+        if terminal:
+            fds = (os.dup(sys.stdout.fileno()), os.dup(sys.stderr.fileno()))
+            argv += ["--terminal", f"{fds[0]},{fds[1]}"]
+        try:
+            self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                         pass_fds=fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
         self._reader = threading.Thread(target=self._read, name="ncl-spare-template", daemon=True)
         self._reader.start()
 
@@ -114,32 +127,36 @@ class SpareFactory:
                     self.ready = True
                 else:
                     self.failed = str(message.get("why", "the template failed"))
-                    print(f"launcher: the spare template cannot fork spares: {self.failed}; spares start as new "
-                          "processes", file=sys.stderr, flush=True)
+                    print(f"launcher: the template cannot fork processes: {self.failed}; they start as new "
+                          "interpreters", file=sys.stderr, flush=True)
         with self._lock:  # the template exited: whatever it has not forked, it never will
             if self.failed is None:
-                self.failed = f"the spare template exited (code {self.proc.wait()})"
+                self.failed = f"the template exited (code {self.proc.wait()})"
 
-    def pid_of(self, spare_id: int) -> int | None:
+    def pid_of(self, request_id: int) -> int | None:
         with self._lock:
-            return self._pids.get(spare_id)
+            return self._pids.get(request_id)
 
-    def spare(self, spare_id: int, extra_env: dict[str, str], log: Path,
-              spawn: Callable[[], subprocess.Popen[bytes]]) -> ForkedSpare:
-        """Ask for spare `spare_id` (forked when the template is warm); `spawn` starts it as a new interpreter if
-        the template cannot."""
+    def fork(self, env: dict[str, str], log: Path | None, spawn: Callable[[], subprocess.Popen[bytes]],
+             replace_env: bool = False, nice: int = 0) -> ForkedProcess:
+        """Ask for a process with `env` (added to the template's, or, with `replace_env`, the whole environment)
+        and its output in `log` (None: this launcher's stdout and stderr), at nice value `nice`; forked when the
+        template is warm. `spawn` starts it as a new interpreter if the template cannot."""
+        with self._lock:
+            request_id, self._next_id = self._next_id, self._next_id + 1
         if self.failed is None and self.proc.stdin is not None:
-            request = {"id": spare_id, "env": extra_env, "log": str(log)}
+            request = {"id": request_id, "env": env, "log": None if log is None else str(log),
+                       "replace_env": replace_env, "nice": nice}
             try:
                 self.proc.stdin.write((json.dumps(request) + "\n").encode())
                 self.proc.stdin.flush()
             except (BrokenPipeError, OSError):
                 with self._lock:
-                    self.failed = self.failed or "the spare template is gone"
-        return ForkedSpare(self, spare_id, spawn)
+                    self.failed = self.failed or "the template is gone"
+        return ForkedProcess(self, request_id, spawn)
 
     def close(self) -> None:
-        """Stop the template; afterwards no spare is forked any more (their pids are all known)."""
+        """Stop the template; afterwards nothing is forked any more (every pid is known)."""
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()

@@ -12,10 +12,18 @@ threads running, the template says so and the launcher starts spares as new inte
 
 Protocol, one line per message, JSON (no pickle) on the template's stdin/stdout:
   template -> launcher   {"ready": true} once warm, or {"ready": false, "why": "..."} (then it exits)
-  launcher -> template   {"id": n, "env": {...}, "log": "path"}          fork spare n with these variables
-  template -> launcher   {"id": n, "pid": p}                             spare n runs as process p
-Each spare is forked twice (the middle process exits at once), so that it is re-parented to the launcher, which
-is a child subreaper (`prctl(PR_SET_CHILD_SUBREAPER)`): the launcher then waits on it like on any of its children.
+  launcher -> template   {"id": n, "env": {...}, "log": "path"}          fork process n with these variables
+  template -> launcher   {"id": n, "pid": p}                             process n runs as p
+A request may also say `"replace_env": true` (the variables are the whole environment, not additions), `"nice":
+k` (the process runs at nice k) and `"log": null`: the output goes to the launcher's own stdout and stderr, which
+it passes to the template (`--terminal OUT,ERR`, two inherited descriptors).
+Each process is forked twice (the middle process exits at once), so that it is re-parented to the launcher, which
+is a child subreaper (`prctl(PR_SET_CHILD_SUBREAPER)`): the launcher then waits on it like on any of its children;
+once re-parented it asks for SIGKILL when the launcher dies (`PR_SET_PDEATHSIG`), as a rank the launcher starts
+itself does.
+
+The worker module `restart.script_runner` serves a user's Python command: the launcher forks every rank and spare
+of such a job from a template that imported torch and Lightning once.
 
 What a spare must still do after the fork (NeMo's model and trainer build, one step: ~5 s of CPU; a spare started
 without a template: everything) it does at idle CPU priority when it refills the pool during training
@@ -30,16 +38,22 @@ own. Spares started with the job warm up at normal priority.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import json
 import os
+import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from nemo_checkpointless.protocol import LAUNCHER_PID_ENV
+
 SPARE_REFILL_ENV = "NCL_SPARE_REFILL"  # "1": this spare refills the pool while the job trains
+_PR_SET_PDEATHSIG = 1
 
 
 def warm_up_at_idle_priority(fn: Callable[[], Any]) -> None:
@@ -94,7 +108,8 @@ def _threads() -> list[str]:
     return names
 
 
-def _fork_spare(request: dict[str, Any], spare_main: Callable[[], None]) -> int:
+def _fork_spare(request: dict[str, Any], spare_main: Callable[[], None], terminal: tuple[int, int] | None = None
+                ) -> int:
     """Fork a spare for `request`; return its pid (a grandchild of this process, re-parented to the launcher)."""
     read_end, write_end = os.pipe()
     middle = os.fork()
@@ -103,7 +118,7 @@ def _fork_spare(request: dict[str, Any], spare_main: Callable[[], None]) -> int:
         pid = os.fork()
         if pid == 0:
             os.close(write_end)
-            _become_spare(request, spare_main)  # never returns
+            _become_spare(request, spare_main, terminal)  # never returns
         os.write(write_end, str(pid).encode())
         os._exit(0)
     os.close(write_end)
@@ -113,17 +128,44 @@ def _fork_spare(request: dict[str, Any], spare_main: Callable[[], None]) -> int:
     return pid
 
 
-def _become_spare(request: dict[str, Any], spare_main: Callable[[], None]) -> None:
+def _die_with_launcher(launcher: int) -> None:
+    """Once re-parented to the launcher (the middle process exits at once), SIGKILL when it dies; exit if it is
+    gone already. A death signal asked for earlier would fire when the middle process exits."""
+    deadline = time.monotonic() + 10
+    while os.getppid() != launcher and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != launcher:
+        os._exit(1)
+
+
+def _become_spare(request: dict[str, Any], spare_main: Callable[[], None],
+                  terminal: tuple[int, int] | None = None) -> None:
     code = 1
     try:
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
+        if launcher:
+            _die_with_launcher(launcher)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
         os.close(null)
+        if request.get("log"):
+            log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            os.close(log)
+        elif terminal is not None:
+            os.dup2(terminal[0], 1)
+            os.dup2(terminal[1], 2)
+        if terminal is not None:
+            os.close(terminal[0])
+            os.close(terminal[1])
+        if request.get("replace_env"):
+            os.environ.clear()
         os.environ.update(request["env"])
+        if request.get("nice"):
+            os.nice(int(request["nice"]))
         spare_main()
         code = 0
     except BaseException:
@@ -135,8 +177,13 @@ def _become_spare(request: dict[str, Any], spare_main: Callable[[], None]) -> No
 
 
 def main() -> None:
+    terminal: tuple[int, int] | None = None
+    if len(sys.argv) == 4 and sys.argv[2] == "--terminal":
+        out, err = sys.argv.pop(3).split(",")
+        sys.argv.pop(2)
+        terminal = (int(out), int(err))
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m nemo_checkpointless.restart.template WORKER_MODULE")
+        raise SystemExit("usage: python -m nemo_checkpointless.restart.template WORKER_MODULE [--terminal OUT,ERR]")
     try:
         spare_main = importlib.import_module(sys.argv[1]).spare_template()
     except Exception as e:
@@ -152,7 +199,7 @@ def main() -> None:
     for line in sys.stdin:
         if line.strip():
             request = json.loads(line)
-            _say({"id": request["id"], "pid": _fork_spare(request, spare_main)})
+            _say({"id": request["id"], "pid": _fork_spare(request, spare_main, terminal)})
 
 
 if __name__ == "__main__":

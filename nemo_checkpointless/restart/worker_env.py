@@ -70,7 +70,11 @@ class WorkerEnv:
 def preload(cfg: Any) -> None:
     """Import the modules of `launcher.preload` (calling `install()` where a module has one): before a worker
     builds anything, and for engine=nemo before NeMo and megatron-core are imported."""
+    from nemo_checkpointless.restart.script_runner import already_installed
+
     for name in cfg.launcher.preload:
+        if already_installed(name):  # by the rank template this process was forked from
+            continue
         module = importlib.import_module(name)
         install = getattr(module, "install", None)
         if callable(install):
