@@ -9,9 +9,9 @@ starts with them imported (pages shared copy-on-write) and runs only the script.
 `spare_template()` imports `PRELOAD` and returns `run_command`, which a forked process runs: the interpreter's
 arguments come in `ARGV_ENV` (JSON), as the launcher would have exec'd them after `python`:
 `-u SCRIPT ARGS`, `-u -m MODULE ARGS` or `-u -c CODE ARGS`. It sets `sys.argv`, `sys.path[0]` and `__main__` as the
-interpreter does, reseeds what a new interpreter seeds from the OS (`random`, numpy's global generator), runs the
-command, and exits as the interpreter would: `SystemExit`'s code, a traceback and 1 for an uncaught exception, after
-joining the script's non-daemon threads and running its `atexit` functions.
+interpreter does, reseeds what a new interpreter seeds from the OS (`random`, numpy's and torch's default
+generators), runs the command, and exits as the interpreter would: `SystemExit`'s code, a traceback and 1 for an
+uncaught exception, after joining the script's non-daemon threads and running its `atexit` functions.
 """
 
 from __future__ import annotations
@@ -63,6 +63,10 @@ def already_installed(name: str) -> bool:
 
 
 def spare_template() -> Callable[[], None]:
+    # A fork is unusable for CUDA once the parent initialised the driver: an import that asks whether CUDA is
+    # available asks NVML instead (PyTorch's switch for this), and a template that initialised CUDA anyway says so
+    # (the launcher then starts the ranks as new interpreters).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     for name in filter(None, os.environ.pop(INSTALL_ENV, "").split(",")):
         install = getattr(importlib.import_module(name), "install", None)
         if callable(install):
@@ -71,6 +75,9 @@ def spare_template() -> Callable[[], None]:
     for name in (*PRELOAD, *filter(None, os.environ.pop(IMPORT_ENV, "").split(","))):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialised by an import; a forked process could not use it")
     return run_command
 
 
@@ -83,6 +90,9 @@ def run_command() -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()  # a new interpreter's default generator starts from a non-deterministic seed
     interrupted = False
     try:
         _run(argv)
