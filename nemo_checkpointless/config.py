@@ -314,7 +314,8 @@ class LauncherConfig:
     # restart the whole job from the persistent checkpoint (what jobs do today; the benchmark's baseline).
     on_failure: str = "recover"
     # Python modules every rank and spare imports before anything else (a site patch, a profiler; for the NeMo
-    # engine on CPU, the test suite's CPU shim: `PYTHONPATH=tests ... launcher.preload=[nemo_shim]`).
+    # engine on CPU, the test suite's CPU shim: `PYTHONPATH=tests ... launcher.preload=[nemo_shim]`). Imported and
+    # `install()`ed once, in the rank template the ranks are forked from, so module-level code sees no RANK.
     preload: list[str] = field(default_factory=list)
     # Several nodes: one agent (`checkpointless-run` / `checkpointless-train`) per node. `node_rank`: this node;
     # `rdzv_endpoint`: HOST:PORT of the job's store ("" on one node: the launcher hosts it on `host`);

@@ -85,11 +85,16 @@ def test_same_seed_same_state_whatever_the_replication(tmp_path: Path, data_cach
 
 def test_a_rank_that_fails_before_training_stops_the_job_at_once_naming_its_error(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """A set-up error (here: a preloaded module that raises on rank 3 only) is not a fault a replacement survives:
-    the launcher stops at the first failure instead of replacing the rank launcher.max_restarts times."""
+    """A set-up error (here: a preloaded module whose patch makes rank 3 fail as it seeds its model) is not a fault a
+    replacement survives: the launcher stops at the first failure instead of replacing the rank
+    launcher.max_restarts times. (The module is imported and installed once, in the rank template every rank is
+    forked from: what fails is the rank's own set-up.)"""
     (tmp_path / "mods").mkdir()
     (tmp_path / "mods" / "broken_on_rank3.py").write_text(
-        "import os\nif os.environ.get('RANK') == '3':\n    raise RuntimeError('rank 3 cannot start: boom')\n")
+        "import os\nimport torch\n\n\ndef install():\n    seed = torch.manual_seed\n\n"
+        "    def manual_seed(*args, **kwargs):\n        if os.environ.get('RANK') == '3':\n"
+        "            raise RuntimeError('rank 3 cannot start: boom')\n        return seed(*args, **kwargs)\n\n"
+        "    torch.manual_seed = manual_seed\n")
     monkeypatch.syspath_prepend(str(tmp_path / "mods"))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "mods"))
     run_dir = tmp_path / "run"

@@ -28,7 +28,13 @@ from nemo_checkpointless import protocol
 from nemo_checkpointless.config import Config
 from nemo_checkpointless.data.cache import new_job_id, remove_job_cache
 from nemo_checkpointless.launcher import procs
-from nemo_checkpointless.launcher.spares import ForkedProcess, SpareFactory, become_child_subreaper
+from nemo_checkpointless.launcher.spares import (
+    ForkedProcess,
+    SpareFactory,
+    become_child_subreaper,
+    is_child_subreaper,
+    stop_being_child_subreaper,
+)
 from nemo_checkpointless.launcher.stragglers import StragglerWatch
 from nemo_checkpointless.launcher.watchdog import HangWatch, Reader
 from nemo_checkpointless.protocol import (
@@ -819,6 +825,7 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None,
     job_id = new_job_id()  # names the job's batch cache (data.loader=mmap); removed below when the job ends
     store.set(JOB_ID_KEY, job_id)
     world = cfg.trainer.world_size
+    was_subreaper = is_child_subreaper()
     try:
         if script_runner.forkable([sys.executable, *job.python_argv()]) and become_child_subreaper():
             # Every rank (and a user's script's spares) forked from one template (restart.script_runner).
@@ -845,5 +852,7 @@ def run_local(cfg: Config, run_dir: Path, worker_module: str | None = None,
             if factory is not None:
                 factory.close()  # forks nothing more: every pid is known below
         stop_processes([*job.ranks.values(), *job.spares.values(), *job.exiting])
+        if not was_subreaper:
+            stop_being_child_subreaper()  # every process is reaped: adopt no one else's orphans
         remove_job_cache(cfg.data.cache_root, job_id)  # every rank has exited: nobody reads it any more
     return job.summary(round(time.perf_counter() - t0, 3))

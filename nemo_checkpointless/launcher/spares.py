@@ -23,6 +23,7 @@ from typing import IO, Any
 
 TEMPLATE_MODULE = "nemo_checkpointless.restart.template"
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 
 
 def become_child_subreaper() -> bool:
@@ -31,6 +32,22 @@ def become_child_subreaper() -> bool:
         return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def is_child_subreaper() -> bool:
+    flag = ctypes.c_int(0)
+    try:
+        ok = ctypes.CDLL(None, use_errno=True).prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+    return ok and bool(flag.value)
+
+
+def stop_being_child_subreaper() -> None:
+    """Orphans go to init again: once a job run in-process (`run_local` called from a program) has reaped its
+    processes, the calling program adopts nothing of anyone else's."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 class ForkedProcess:
@@ -102,7 +119,7 @@ class SpareFactory:
         argv = [sys.executable, "-m", TEMPLATE_MODULE, worker_module]
         fds: tuple[int, ...] = ()
         if terminal:
-            fds = (os.dup(sys.stdout.fileno()), os.dup(sys.stderr.fileno()))
+            fds = (os.dup(1), os.dup(2))  # what a child started with stdout=None would inherit
             argv += ["--terminal", f"{fds[0]},{fds[1]}"]
         try:
             self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
