@@ -45,7 +45,8 @@ if mode == "message":
 # mode from one template, print {mode: [pid, exit code]}.
 DRIVER = """
 import json, os, sys, time
-from nemo_checkpointless.launcher.spares import SpareFactory, become_child_subreaper
+from nemo_checkpointless.launcher.spares import SpareFactory
+from nemo_checkpointless.restart.kin import become_child_subreaper
 from nemo_checkpointless.restart import script_runner
 tmp, script, modes = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
 assert become_child_subreaper()
@@ -110,3 +111,54 @@ def test_a_forked_process_runs_a_command_as_python_would(tmp_path: Path) -> None
     records = {int(p.stem): json.loads(p.read_text())["env"]["RANK"] for p in (run_dir / "forked").glob("*.json")}
     assert records == {result[mode][0]: str(i) for i, mode in enumerate(cases)}
     assert rank_pids(run_dir) == {}
+
+
+# A kill the launcher sends before the template has forked the process (a whole restart right after a spare was
+# asked for): the process is killed once forked, and `wait()` returns when it is gone, not before.
+KILL_DRIVER = """
+import json, os, sys, time
+from nemo_checkpointless.launcher.spares import SpareFactory
+from nemo_checkpointless.restart.kin import become_child_subreaper
+from nemo_checkpointless.restart import script_runner
+tmp = sys.argv[1]
+assert become_child_subreaper()
+base = json.loads(os.environ["PROBE_BASE"])
+log = os.fdopen(os.open(os.path.join(tmp, "template.log"), os.O_WRONLY | os.O_CREAT, 0o600), "wb")
+factory = SpareFactory(script_runner.__name__, {**base, **script_runner.template_env([], "lightning")}, log)
+log.close()
+def fork(code):
+    env = {**base, script_runner.ARGV_ENV: json.dumps(["-u", "-c", code])}
+    return factory.fork(env, os.path.join(tmp, "p.log"), spawn=lambda: None, replace_env=True)
+sleeper = fork("import time; time.sleep(120)")
+sleeper.kill()
+unknown_at_kill = factory.pid_of(sleeper.request_id) is None  # the template is still importing
+t0 = time.monotonic()
+code = sleeper.wait()
+waited = time.monotonic() - t0
+try:
+    os.kill(sleeper.pid, 0)
+    alive = True
+except ProcessLookupError:
+    alive = False
+after = fork("raise SystemExit(7)")
+out = {"unknown_at_kill": unknown_at_kill, "code": code, "pid": sleeper.pid, "alive": alive,
+       "waited": waited, "after": after.wait()}
+factory.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_process_killed_before_it_is_forked_is_killed_once_forked(tmp_path: Path) -> None:
+    driver_env = child_env()
+    base = {**driver_env, RUN_DIR_ENV: str(tmp_path)}
+    driver = subprocess.run([sys.executable, "-c", KILL_DRIVER, str(tmp_path)],
+                            env={**driver_env, "PROBE_BASE": json.dumps(base)}, capture_output=True, check=False,
+                            timeout=240)
+    assert driver.returncode == 0, driver.stderr.decode(errors="replace")[-3000:]
+    result = json.loads(driver.stdout.decode().strip().splitlines()[-1])
+    assert result["unknown_at_kill"], result
+    # wait() waited for the fork and the kill (not the sleeper's 120 s), and nothing of it is left running.
+    assert result["code"] == -9 and result["pid"] > 0 and not result["alive"], result
+    assert result["waited"] < 100, result
+    # The template forks on: a later process runs and exits as it should.
+    assert result["after"] == 7, result

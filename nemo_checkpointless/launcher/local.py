@@ -28,13 +28,7 @@ from nemo_checkpointless import protocol
 from nemo_checkpointless.config import Config
 from nemo_checkpointless.data.cache import new_job_id, remove_job_cache
 from nemo_checkpointless.launcher import procs
-from nemo_checkpointless.launcher.spares import (
-    ForkedProcess,
-    SpareFactory,
-    become_child_subreaper,
-    is_child_subreaper,
-    stop_being_child_subreaper,
-)
+from nemo_checkpointless.launcher.spares import ForkedProcess, SpareFactory
 from nemo_checkpointless.launcher.stragglers import StragglerWatch
 from nemo_checkpointless.launcher.watchdog import HangWatch, Reader
 from nemo_checkpointless.protocol import (
@@ -60,6 +54,12 @@ from nemo_checkpointless.protocol import (
 )
 from nemo_checkpointless.restart import script_runner
 from nemo_checkpointless.restart.cost import RATE_WINDOW, StepTimes, fault_costs
+from nemo_checkpointless.restart.kin import (
+    become_child_subreaper,
+    die_with_parent,
+    is_child_subreaper,
+    stop_being_child_subreaper,
+)
 from nemo_checkpointless.restart.progress import Beacon
 from nemo_checkpointless.restart.template import SPARE_REFILL_ENV
 from nemo_checkpointless.restart.worker_env import WorkerEnv
@@ -85,16 +85,6 @@ class LaunchError(RuntimeError):
         self.exit_code = exit_code
 
 
-def _die_with_parent() -> None:
-    """In a child before exec: SIGKILL when the launcher dies (Linux), so no rank outlives it."""
-    import contextlib
-    import ctypes
-    import signal
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def process_environ(threads: int, extra_env: dict[str, str]) -> dict[str, str]:
     """The environment of a rank or spare this launcher (or a node's agent) starts: its own, one thread count, and
     `extra_env` (the job's variables) on top."""
@@ -111,7 +101,7 @@ def start_process(argv: list[str], env: dict[str, str], log: Path | None, nice: 
     out = os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") if log is not None else None
 
     def before_exec() -> None:
-        _die_with_parent()
+        die_with_parent()
         if nice:
             os.nice(nice)
 

@@ -5,13 +5,13 @@ outlives its launcher."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from nemo_checkpointless.protocol import RUN_DIR_ENV, SPARE_ID_ENV
+from nemo_checkpointless.restart.kin import forked_env, stat
 
 
 def live_processes() -> Iterator[tuple[int, dict[str, str]]]:
@@ -28,43 +28,6 @@ def live_processes() -> Iterator[tuple[int, dict[str, str]]]:
         yield int(entry.name), dict(kv.split("=", 1) for kv in raw if "=" in kv)
 
 
-# A process forked by a template (`restart.template`) shows the template's environment in /proc/<pid>/environ
-# (the environment a process was exec'd with): it says which rank or spare it is in RUN_DIR/forked/<pid>.json.
-FORKED_DIR = "forked"
-_IDENTITY = ("RANK", SPARE_ID_ENV)
-
-
-def register_forked() -> None:
-    """In a forked process, once its environment is set: record the variables `rank_pids` reads, with the
-    process's start time (a record is trusted only for the process that wrote it, not a later one with its pid)."""
-    run_dir = os.environ.get(RUN_DIR_ENV)
-    if not run_dir:
-        return
-    folder = Path(run_dir) / FORKED_DIR
-    folder.mkdir(mode=0o700, exist_ok=True)
-    pid = os.getpid()
-    record = {"env": {k: os.environ[k] for k in _IDENTITY if k in os.environ}, "start": _start_time(pid)}
-    tmp = folder / f".{pid}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f)
-    tmp.replace(folder / f"{pid}.json")
-
-
-def _forked_env(run_dir: str | os.PathLike[str], pid: int) -> dict[str, str]:
-    """What a forked process recorded about itself (`register_forked`); {} if it did not (or is another one)."""
-    try:
-        record = json.loads((Path(run_dir) / FORKED_DIR / f"{pid}.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return dict(record["env"]) if record.get("start") == _start_time(pid) else {}
-
-
-def _start_time(pid: int) -> str | None:
-    fields = _stat(pid)
-    return fields[19] if fields and len(fields) > 19 else None
-
-
 def job_pids(run_dir: str | os.PathLike[str], run_dir_var: str = RUN_DIR_ENV) -> list[int]:
     """Every live process of the run in `run_dir` (ranks, spares, the spare template)."""
     return [pid for pid, env in live_processes() if env.get(run_dir_var) == str(run_dir)]
@@ -73,24 +36,9 @@ def job_pids(run_dir: str | os.PathLike[str], run_dir_var: str = RUN_DIR_ENV) ->
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (state, parent, ...); None if unreadable."""
-    # os.open and os.read, not pathlib: the launcher reads each rank's stat 200 times a second (`dying_status`).
-    try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-        try:
-            raw = os.read(fd, 4096)
-        finally:
-            os.close(fd)
-        fields = raw.decode(errors="replace").rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields or None
-
-
 def proc_state(pid: int) -> tuple[str, float] | None:
     """(scheduler state letter, CPU seconds user + system) of `pid`; None if unreadable."""
-    fields = _stat(pid)
+    fields = stat(pid)
     try:
         return (fields[0], (int(fields[11]) + int(fields[12])) / _TICK) if fields else None
     except (IndexError, ValueError):
@@ -107,7 +55,7 @@ def dying_status(pid: int) -> int | None:
     The kernel sets the flag and the exit code (field 52) before it frees the process's memory, and a parent can
     reap it, or its peers see its sockets close, only after: for a rank of 0.9 GB that took 0.19 s on a loaded
     2-core machine, for a GPU process with its CUDA context longer. A failure is known at the start of that."""
-    fields = _stat(pid)
+    fields = stat(pid)
     try:
         if fields is None or not int(fields[6]) & PF_EXITING:
             return None
@@ -128,7 +76,7 @@ def exit_status(proc: Any) -> int | None:
 
 
 def _parent(pid: int) -> int:
-    fields = _stat(pid)
+    fields = stat(pid)
     try:
         return int(fields[1]) if fields else 0
     except (IndexError, ValueError):
@@ -143,7 +91,7 @@ def rank_pids(run_dir: str | os.PathLike[str], run_dir_var: str = RUN_DIR_ENV) -
     for pid, env in live_processes():
         if env.get(run_dir_var) != str(run_dir):
             continue
-        env = {**env, **_forked_env(run_dir, pid)}
+        env = {**env, **forked_env(run_dir, pid)}
         if "RANK" in env and SPARE_ID_ENV not in env:
             candidates.setdefault(int(env["RANK"]), set()).add(pid)
     out = {}

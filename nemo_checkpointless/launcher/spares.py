@@ -10,7 +10,6 @@ each process not yet forked starts as a new interpreter instead, as one without 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -22,49 +21,38 @@ from pathlib import Path
 from typing import IO, Any
 
 TEMPLATE_MODULE = "nemo_checkpointless.restart.template"
-_PR_SET_CHILD_SUBREAPER = 36
-_PR_GET_CHILD_SUBREAPER = 37
-
-
-def become_child_subreaper() -> bool:
-    """Make this process adopt its orphaned descendants (Linux), so that the forked spares are its children."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def is_child_subreaper() -> bool:
-    flag = ctypes.c_int(0)
-    try:
-        ok = ctypes.CDLL(None, use_errno=True).prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-    return ok and bool(flag.value)
-
-
-def stop_being_child_subreaper() -> None:
-    """Orphans go to init again: once a job run in-process (`run_local` called from a program) has reaped its
-    processes, the calling program adopts nothing of anyone else's."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 class ForkedProcess:
-    """A process forked by the template, with the part of `subprocess.Popen`'s interface the launcher uses."""
+    """A process forked by the template, with the part of `subprocess.Popen`'s interface the launcher uses.
+
+    Its pid is known once the template has answered. A `kill()` before that is kept, and the process is killed
+    as soon as its pid is known (or never started, if the template cannot fork it): a kill that found no pid once
+    left the process running while `wait()` then blocked on it (a whole restart right after a spare was asked
+    for, on a loaded machine)."""
 
     def __init__(self, factory: SpareFactory, request_id: int, spawn: Callable[[], subprocess.Popen[bytes]]) -> None:
         self.factory, self.request_id, self._spawn = factory, request_id, spawn
         self._pid: int | None = None
         self._spawned: subprocess.Popen[bytes] | None = None
+        self._killed = False
         self.returncode: int | None = None
 
-    def _resolve(self) -> None:
-        if self._pid is None and self._spawned is None:
-            pid = self.factory.pid_of(self.request_id)
-            if pid is not None:
-                self._pid = pid
-            elif self.factory.failed:
+    def _resolve(self, block: bool = False) -> None:
+        """Learn the pid (`block`: wait for the template's answer); when the template cannot fork, start the
+        process as a new interpreter, or, once killed, record it as killed without starting it."""
+        if self._pid is not None or self._spawned is not None or self.returncode is not None:
+            return
+        pid = self.factory.wait_pid(self.request_id) if block else self.factory.pid_of(self.request_id)
+        if pid:
+            self._pid = pid
+            if self._killed:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        elif pid == 0 or self.factory.failed:
+            if self._killed:
+                self.returncode = -signal.SIGKILL  # never started
+            else:
                 self._spawned = self._spawn()
 
     @property
@@ -87,21 +75,23 @@ class ForkedProcess:
         return self.returncode
 
     def kill(self) -> None:
+        self._killed = True
         self._resolve()
         if self._spawned is not None:
             self._spawned.kill()
         elif self._pid is not None and self.returncode is None:
-            os.kill(self._pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, signal.SIGKILL)
 
     def wait(self) -> int:
-        self._resolve()
+        self._resolve(block=True)
         while self.returncode is None:
             if self._spawned is not None:
                 self.returncode = self._spawned.wait()
             elif self._pid is not None:
                 _, status = os.waitpid(self._pid, 0)
                 self.returncode = os.waitstatus_to_exitcode(status)
-            else:  # never forked and never spawned: nothing ran
+            else:  # the template failed before forking it, and it was killed: nothing ran
                 self.returncode = -signal.SIGKILL
         return self.returncode
 
@@ -112,6 +102,7 @@ class SpareFactory:
 
     def __init__(self, worker_module: str, env: dict[str, str], log: IO[bytes], terminal: bool = False) -> None:
         self._lock = threading.Lock()
+        self._answered = threading.Condition(self._lock)  # a pid came, or the template failed
         self._pids: dict[int, int] = {}
         self._next_id = 0
         self.ready = False
@@ -138,20 +129,30 @@ class SpareFactory:
             except ValueError:
                 continue
             with self._lock:
-                if "pid" in message:
-                    self._pids[int(message["id"])] = int(message["pid"])
+                if "pid" in message:  # 0: the template could not fork it
+                    self._pids[int(message["id"])] = max(0, int(message["pid"] or 0))
                 elif message.get("ready"):
                     self.ready = True
                 else:
                     self.failed = str(message.get("why", "the template failed"))
                     print(f"launcher: the template cannot fork processes: {self.failed}; they start as new "
                           "interpreters", file=sys.stderr, flush=True)
+                self._answered.notify_all()
+        code = self.proc.wait()
         with self._lock:  # the template exited: whatever it has not forked, it never will
             if self.failed is None:
-                self.failed = f"the template exited (code {self.proc.wait()})"
+                self.failed = f"the template exited (code {code})"
+            self._answered.notify_all()
 
     def pid_of(self, request_id: int) -> int | None:
         with self._lock:
+            return self._pids.get(request_id)
+
+    def wait_pid(self, request_id: int) -> int | None:
+        """The pid of process `request_id` once the template has forked it; 0 if it could not, None if the
+        template failed first."""
+        with self._answered:
+            self._answered.wait_for(lambda: request_id in self._pids or self.failed is not None)
             return self._pids.get(request_id)
 
     def fork(self, env: dict[str, str], log: Path | None, spawn: Callable[[], subprocess.Popen[bytes]],
@@ -170,6 +171,7 @@ class SpareFactory:
             except (BrokenPipeError, OSError):
                 with self._lock:
                     self.failed = self.failed or "the template is gone"
+                    self._answered.notify_all()
         return ForkedProcess(self, request_id, spawn)
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ import threading
 import types
 from collections.abc import Callable, Sequence
 
-from nemo_checkpointless.launcher import procs
+from nemo_checkpointless.restart import kin
 
 ARGV_ENV = "NCL_PYTHON_ARGV"
 # The template's imports, in order: the job's `launcher.preload` modules (each `install()`ed, as a worker does
@@ -84,7 +84,7 @@ def spare_template() -> Callable[[], None]:
 def run_command() -> None:
     """In a forked process: run the command in `ARGV_ENV` as `python` would, then exit (never returns)."""
     argv = json.loads(os.environ.pop(ARGV_ENV))[1:]  # after "-u"
-    procs.register_forked()  # who this process is, for `procs.rank_pids` (its /proc environ is the template's)
+    kin.register_forked()  # who this process is, for `procs.rank_pids` (its /proc environ is the template's)
     sys.stdin = open(os.devnull)  # noqa: SIM115  (the template's stdin buffer holds the launcher's requests)
     random.seed()
     numpy = sys.modules.get("numpy")

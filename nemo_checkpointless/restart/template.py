@@ -13,7 +13,7 @@ threads running, the template says so and the launcher starts spares as new inte
 Protocol, one line per message, JSON (no pickle) on the template's stdin/stdout:
   template -> launcher   {"ready": true} once warm, or {"ready": false, "why": "..."} (then it exits)
   launcher -> template   {"id": n, "env": {...}, "log": "path"}          fork process n with these variables
-  template -> launcher   {"id": n, "pid": p}                             process n runs as p
+  template -> launcher   {"id": n, "pid": p}                             process n runs as p (0: not forked)
 A request may also say `"replace_env": true` (the variables are the whole environment, not additions), `"nice":
 k` (the process runs at nice k) and `"log": null`: the output goes to the launcher's own stdout and stderr, which
 it passes to the template (`--terminal OUT,ERR`, two inherited descriptors).
@@ -38,11 +38,9 @@ own. Spares started with the job warm up at normal priority.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -51,9 +49,9 @@ from collections.abc import Callable
 from typing import Any
 
 from nemo_checkpointless.protocol import LAUNCHER_PID_ENV
+from nemo_checkpointless.restart.kin import die_with_parent
 
 SPARE_REFILL_ENV = "NCL_SPARE_REFILL"  # "1": this spare refills the pool while the job trains
-_PR_SET_PDEATHSIG = 1
 
 
 def warm_up_at_idle_priority(fn: Callable[[], Any]) -> None:
@@ -114,16 +112,18 @@ def _fork_spare(request: dict[str, Any], spare_main: Callable[[], None], termina
     read_end, write_end = os.pipe()
     middle = os.fork()
     if middle == 0:
-        os.close(read_end)
-        pid = os.fork()
-        if pid == 0:
-            os.close(write_end)
-            _become_spare(request, spare_main, terminal)  # never returns
-        os.write(write_end, str(pid).encode())
-        os._exit(0)
+        try:
+            os.close(read_end)
+            pid = os.fork()
+            if pid == 0:
+                os.close(write_end)
+                _become_spare(request, spare_main, terminal)  # never returns
+            os.write(write_end, str(pid).encode())
+        finally:
+            os._exit(0)
     os.close(write_end)
     with os.fdopen(read_end, "rb") as f:
-        pid = int(f.read() or b"-1")
+        pid = int(f.read() or b"0")  # 0: the middle process could not fork (the launcher starts it instead)
     os.waitpid(middle, 0)
     return pid
 
@@ -134,8 +134,7 @@ def _die_with_launcher(launcher: int) -> None:
     deadline = time.monotonic() + 10
     while os.getppid() != launcher and time.monotonic() < deadline:
         time.sleep(0.001)
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent()
     if os.getppid() != launcher:
         os._exit(1)
 
