@@ -456,6 +456,8 @@ class _Job:
             spare_id = live[0]
             how[rank] = "warm spare" if self.store.check([spare_ready_key(spare_id)]) else "starting spare"
             proc = self.spares.pop(spare_id)
+            if isinstance(proc.popen, ForkedProcess):
+                proc.popen.resolve(block=True)  # its pid (a warm template answers in milliseconds)
             if isinstance(proc.popen, (subprocess.Popen, ForkedProcess)):  # a refill started niced trains at 0
                 procs.restore_priority(proc.popen.pid)
             self.store.set(spare_assign_key(spare_id), protocol.Assignment(rank, self.generation).to_json())

@@ -38,7 +38,7 @@ class ForkedProcess:
         self._killed = False
         self.returncode: int | None = None
 
-    def _resolve(self, block: bool = False) -> None:
+    def resolve(self, block: bool = False) -> None:
         """Learn the pid (`block`: wait for the template's answer); when the template cannot fork, start the
         process as a new interpreter, or, once killed, record it as killed without starting it."""
         if self._pid is not None or self._spawned is not None or self.returncode is not None:
@@ -57,13 +57,13 @@ class ForkedProcess:
 
     @property
     def pid(self) -> int:
-        self._resolve()
+        self.resolve()
         if self._spawned is not None:
             return self._spawned.pid
         return -1 if self._pid is None else self._pid
 
     def poll(self) -> int | None:
-        self._resolve()
+        self.resolve()
         if self.returncode is not None:
             return self.returncode
         if self._spawned is not None:
@@ -76,7 +76,7 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self._killed = True
-        self._resolve()
+        self.resolve()
         if self._spawned is not None:
             self._spawned.kill()
         elif self._pid is not None and self.returncode is None:
@@ -84,7 +84,7 @@ class ForkedProcess:
                 os.kill(self._pid, signal.SIGKILL)
 
     def wait(self) -> int:
-        self._resolve(block=True)
+        self.resolve(block=True)
         while self.returncode is None:
             if self._spawned is not None:
                 self.returncode = self._spawned.wait()

@@ -114,6 +114,10 @@ def _fork_spare(request: dict[str, Any], spare_main: Callable[[], None], termina
     if middle == 0:
         try:
             os.close(read_end)
+            if request.get("nice"):
+                # Before the fork, so that the process runs niced from its start: once its pid is known, the
+                # launcher may set it back to 0 when it takes a rank, which a later os.nice() here would undo.
+                os.nice(int(request["nice"]))
             pid = os.fork()
             if pid == 0:
                 os.close(write_end)
@@ -163,8 +167,6 @@ def _become_spare(request: dict[str, Any], spare_main: Callable[[], None],
         if request.get("replace_env"):
             os.environ.clear()
         os.environ.update(request["env"])
-        if request.get("nice"):
-            os.nice(int(request["nice"]))
         spare_main()
         code = 0
     except BaseException:
