@@ -60,7 +60,9 @@ def test_a_peer_that_is_not_installed_gets_a_row_saying_so(tmp_path: Path, monke
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_quick_bench_runs_every_system_and_writes_every_figure(tmp_path: Path) -> None:
-    out = _cli("--quick", "--out", str(tmp_path))
+    # 30 steps (the quick default is 60): the kill at step 18, after the peers' checkpoint of step 10; about half
+    # the time of the suite's longest test (713 s on 2 cores with 60 steps).
+    out = _cli("--quick", "--steps", "30", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-4000:]
     results: dict[str, Any] = json.loads((tmp_path / "bench.json").read_text())
     assert set(KEYS) <= set(results["ratios"]), results["ratios"]

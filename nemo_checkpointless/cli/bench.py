@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=doc[0], epilog=doc[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="one fault per system, a short job (about 6 minutes on 2 cores)")
+                    help="one fault per system, a short job (about 12 minutes on 2 cores)")
     ap.add_argument("--out", default="runs/bench", help="where bench.json, bench.md and timeline.png go")
     ap.add_argument("--systems", default=",".join(s.name for s in SYSTEMS), help="comma-separated, of: "
                     + ", ".join(s.name for s in SYSTEMS))
