@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -38,6 +37,7 @@ import torch.distributed as dist
 
 from nemo_checkpointless.launcher.local import host_store
 from nemo_checkpointless.restart.groups import FAULT_KEY, Membership, connect_store, reap, wait_released
+from nemo_checkpointless.restart.kin import die_with_parent
 from nemo_checkpointless.restart.worker_env import WorkerEnv
 
 __all__ = ["RankContext", "RankGroup", "launch_ranks", "run_threads"]
@@ -141,9 +141,7 @@ class RankContext:
 
 def _die_with_parent(parent: int) -> None:
     """A rank must not outlive the test process (e.g. when pytest itself is killed)."""
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(3)
 

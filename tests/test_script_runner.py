@@ -41,19 +41,25 @@ if mode == "message":
 '''
 
 
-# The launcher's side, in a process of its own (it becomes a child subreaper, which pytest must not): fork each
-# mode from one template, print {mode: [pid, exit code]}.
-DRIVER = """
+# What both drivers start with: a child subreaper (as the launcher is; pytest must not become one) with a rank
+# template, its log in argv[1].
+DRIVER_SETUP = """
 import json, os, sys, time
 from nemo_checkpointless.launcher.spares import SpareFactory
 from nemo_checkpointless.restart.kin import become_child_subreaper
 from nemo_checkpointless.restart import script_runner
-tmp, script, modes = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+tmp = sys.argv[1]
 assert become_child_subreaper()
 base = json.loads(os.environ["PROBE_BASE"])
 log = os.fdopen(os.open(os.path.join(tmp, "template.log"), os.O_WRONLY | os.O_CREAT, 0o600), "wb")
 factory = SpareFactory(script_runner.__name__, {**base, **script_runner.template_env([], "lightning")}, log)
 log.close()
+"""
+
+# The launcher's side, in a process of its own (it becomes a child subreaper, which pytest must not): fork each
+# mode from one template, print {mode: [pid, exit code]}.
+DRIVER = DRIVER_SETUP + """
+script, modes = sys.argv[2], sys.argv[3].split(",")
 forked = {}
 for i, mode in enumerate(modes):
     env = {**base, "RANK": str(i), "PROBE_OUT": os.path.join(tmp, "forked-" + mode),
@@ -115,17 +121,7 @@ def test_a_forked_process_runs_a_command_as_python_would(tmp_path: Path) -> None
 
 # A kill the launcher sends before the template has forked the process (a whole restart right after a spare was
 # asked for): the process is killed once forked, and `wait()` returns when it is gone, not before.
-KILL_DRIVER = """
-import json, os, sys, time
-from nemo_checkpointless.launcher.spares import SpareFactory
-from nemo_checkpointless.restart.kin import become_child_subreaper
-from nemo_checkpointless.restart import script_runner
-tmp = sys.argv[1]
-assert become_child_subreaper()
-base = json.loads(os.environ["PROBE_BASE"])
-log = os.fdopen(os.open(os.path.join(tmp, "template.log"), os.O_WRONLY | os.O_CREAT, 0o600), "wb")
-factory = SpareFactory(script_runner.__name__, {**base, **script_runner.template_env([], "lightning")}, log)
-log.close()
+KILL_DRIVER = DRIVER_SETUP + """
 def fork(code):
     env = {**base, script_runner.ARGV_ENV: json.dumps(["-u", "-c", code])}
     return factory.fork(env, os.path.join(tmp, "p.log"), spawn=lambda: None, replace_env=True)

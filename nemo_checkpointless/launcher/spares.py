@@ -91,7 +91,7 @@ class ForkedProcess:
             elif self._pid is not None:
                 _, status = os.waitpid(self._pid, 0)
                 self.returncode = os.waitstatus_to_exitcode(status)
-            else:  # the template failed before forking it, and it was killed: nothing ran
+            else:  # nothing was started (a `spawn` that started nothing)
                 self.returncode = -signal.SIGKILL
         return self.returncode
 
