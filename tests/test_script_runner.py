@@ -1,7 +1,7 @@
 """The rank template (`restart.script_runner` under `restart.template`): a process forked from it runs a Python
 command as a new interpreter would. Real template, real forks: each command below is run both ways, forked and as
 `python ...`, and what it saw (argv, `__name__`, `sys.path[0]`, its environment, fresh `random` and torch seeds)
-and how it ended (exit code, `atexit`, non-daemon threads, output) must be the same.
+and how it ended (exit code, `atexit`, non-daemon threads, an idle thread pool, output) must be the same.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ def late():
     time.sleep(0.3)
     open(out + ".thread", "w").close()
 threading.Thread(target=late).start()
+# A thread pool left running, as libraries leave theirs: its idle worker ends only by threading's exit hook.
+import concurrent.futures
+pool = concurrent.futures.ThreadPoolExecutor(1)
+pool.submit(time.sleep, 0.01).result()
 print("to stdout", flush=True)
 mode = sys.argv[1]
 if mode == "exit3":

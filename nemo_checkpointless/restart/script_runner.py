@@ -140,8 +140,14 @@ def _exit_code(code: object) -> int:
 
 
 def _finalize(code: int) -> int:
-    """What the interpreter does at exit: wait for non-daemon threads, run `atexit` functions, flush."""
+    """What the interpreter does at exit, in its order: `threading`'s own exit hooks (`threading._shutdown`: a
+    `concurrent.futures` pool's hook wakes its idle workers so that they end), then wait for non-daemon threads,
+    run `atexit` functions, flush. Joining the threads without those hooks first waited forever for a pool's idle
+    worker (a NeMo rank whose script had finished hung so, holding the job's end)."""
     try:
+        shutdown = getattr(threading, "_shutdown", None)  # what Python's finalisation calls (3.11 to 3.13)
+        if callable(shutdown):
+            shutdown()
         for thread in threading.enumerate():
             if thread is not threading.current_thread() and not thread.daemon:
                 thread.join()
