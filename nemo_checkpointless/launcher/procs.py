@@ -12,6 +12,7 @@ from typing import Any
 
 from nemo_checkpointless.protocol import RUN_DIR_ENV, SPARE_ID_ENV
 from nemo_checkpointless.restart.kin import forked_env, stat
+from nemo_checkpointless.restart.kin import may_restore_priority as may_restore_priority  # (a spare's too)
 
 
 def live_processes() -> Iterator[tuple[int, dict[str, str]]]:
@@ -105,14 +106,6 @@ def rank_pids(run_dir: str | os.PathLike[str], run_dir_var: str = RUN_DIR_ENV) -
 # A refilled spare (a new interpreter started while the job trains) runs at this nice value until it takes a rank:
 # its imports and set-up then use the CPU the training ranks leave, not theirs.
 REFILL_NICE = 19
-
-
-def may_restore_priority() -> bool:
-    """Whether this process may lower a child's nice value again (root, or an RLIMIT_NICE that allows nice 0): the
-    condition for starting a spare niced at all, since a rank must train at normal priority."""
-    import resource
-
-    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
 
 
 def restore_priority(pid: int) -> None:

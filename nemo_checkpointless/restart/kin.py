@@ -98,3 +98,11 @@ def forked_env(run_dir: str | os.PathLike[str], pid: int) -> dict[str, str]:
         if record.get("start") == _start_time(pid):
             return dict(record["env"])
     return {}
+
+
+def may_restore_priority() -> bool:
+    """Whether this process may lower a nice value again, its own or a child's (root, or an RLIMIT_NICE that allows
+    nice 0): the condition for lowering a spare's priority at all, since a rank must train at normal priority."""
+    import resource
+
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
