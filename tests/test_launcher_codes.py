@@ -4,6 +4,7 @@ to recover; one killed before that is a failure. And the priority of a spare ref
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -100,3 +101,37 @@ def test_a_dying_process_shows_its_failure_before_it_can_be_reaped() -> None:
     finally:
         live.kill()
         live.wait()
+
+
+WARM_AGAIN = """
+import json, os, sys
+from nemo_checkpointless.restart.template import SPARE_REFILL_ENV, warm_up_again_on_this_thread
+seen = []
+def fn():
+    seen.append(os.getpriority(os.PRIO_PROCESS, 0))
+    if sys.argv[1] == "raise":
+        raise ValueError("boom")
+try:
+    ran = warm_up_again_on_this_thread(fn)
+except ValueError:
+    ran = "raised"
+print(json.dumps({"ran": ran, "during": seen, "after": os.getpriority(os.PRIO_PROCESS, 0)}))
+"""
+
+
+@pytest.mark.skipif(not may_restore_priority(), reason="this user may not lower a nice value again (not root, "
+                    "RLIMIT_NICE < 20): a refill then skips its second warm-up")
+@pytest.mark.parametrize(("refill", "mode", "expected"), [
+    ("1", "ok", {"ran": True, "during": [REFILL_NICE], "after": 0}),
+    ("1", "raise", {"ran": "raised", "during": [REFILL_NICE], "after": 0}),
+    ("0", "ok", {"ran": True, "during": [0], "after": 0}),
+])
+def test_a_forked_spares_second_warm_up_runs_niced_when_it_refills_and_trains_at_its_priority_after(
+        refill: str, mode: str, expected: dict[str, object]) -> None:
+    """`restart.template.warm_up_again_on_this_thread`, in a real process: a refill's warm-up runs at nice 19 on the
+    thread that will train, which is back at its priority afterwards, an error or not."""
+    from nemo_checkpointless.restart.template import SPARE_REFILL_ENV
+
+    out = subprocess.run([sys.executable, "-c", WARM_AGAIN, mode], env={**os.environ, SPARE_REFILL_ENV: refill},
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == expected

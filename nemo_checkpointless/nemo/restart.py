@@ -117,7 +117,7 @@ NEMO_DEFAULT_SEED = 1234  # the seed NeMo's `init_parallel_ranks` gives Megatron
 
 
 def warm_up_kernels(module: Any, micro_batch_size: int, seq_len: int, seed: int = NEMO_DEFAULT_SEED,
-                    tp: int = 1, sequence_parallel: bool = False) -> None:
+                    tp: int = 1, sequence_parallel: bool = False, again: bool = False) -> None:
     """A hot spare's warm-up, so that its first step after a join costs what a survivor's does: on a private process
     group (never the job's), build `module`'s megatron model and run one forward and backward on a dummy
     micro-batch of the job's shape, which compiles megatron's fused functions (`torch.compile`: 2.4 s here for the
@@ -137,11 +137,13 @@ def warm_up_kernels(module: Any, micro_batch_size: int, seq_len: int, seed: int 
     does not know which TP rank it will replace. From dynamo's recompile limit (8) up, TP rank 0 only.
 
     Then the model, the group and megatron's state are dropped: the real `fit` builds the model again on the job's
-    groups and loads the state it receives. Once per process; never fatal (the first step compiles instead)."""
+    groups and loads the state it receives. Once per process (`again`: once more, in a process forked from one that
+    warmed up: nothing compiles then, and the pages the step writes become the process's own); never fatal (the
+    first step compiles instead)."""
     global _WARM
     import torch.distributed as dist
 
-    if _WARM or dist.is_initialized():
+    if (_WARM and not again) or dist.is_initialized():
         return
     _WARM = True
     if tp == 1:

@@ -27,7 +27,7 @@ import torch
 
 from nemo_checkpointless.config import Config, load_run_config
 from nemo_checkpointless.protocol import START_TIMEOUT_ENV
-from nemo_checkpointless.restart.template import warm_up_at_idle_priority
+from nemo_checkpointless.restart.template import warm_up_again_on_this_thread, warm_up_at_idle_priority
 from nemo_checkpointless.restart.worker_env import ENV_PREFIX, SPARE_ID_ENV, freeze_heap, preload, run_worker
 
 
@@ -142,7 +142,7 @@ def build_trainer(cfg: Config, run_dir: Path, strategy: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------ the rank
-def warm_up(cfg: Config, run_dir: Path) -> None:
+def warm_up(cfg: Config, run_dir: Path, again: bool = False) -> None:
     """What a hot spare does before it says it is ready, so that its first step after a join costs what a
     survivor's does. Measured here (kill at step 20 of 30): without it `recover_s` was ~6.8 s, of which ~2.2 s went
     to the first build of NeMo's model and trainer (lazy imports) and ~2.4 s to compiling megatron's fused
@@ -153,7 +153,9 @@ def warm_up(cfg: Config, run_dir: Path) -> None:
        a dummy micro-batch of the job's shape, the backward through megatron's own `custom_backward` (as its
        schedule does: `torch.autograd.backward` would run it under another torch-function mode stack, and dynamo
        would compile again). Then destroy the group and megatron's state. Nothing is kept: the model is rebuilt,
-       and params, optimizer state and RNG arrive from the replica. A failure here costs only the speed-up."""
+       and params, optimizer state and RNG arrive from the replica. A failure here costs only the speed-up.
+
+    `again`: in a spare forked from the template that already warmed up (see `run`)."""
     module = build_model(cfg)  # the Lightning module only: megatron's model is configured in `fit`
     strategy = build_strategy(cfg, run_dir)
     build_trainer(cfg, run_dir, strategy)
@@ -162,7 +164,7 @@ def warm_up(cfg: Config, run_dir: Path) -> None:
     # The layout as the strategy holds it, as a user script's spare reads it (`InProcessLauncher.launch`).
     warm_up_kernels(module, cfg.data.micro_batch_size, cfg.data.seq_len, cfg.seed,
                     tp=int(strategy.tensor_model_parallel_size or 1),
-                    sequence_parallel=bool(strategy.sequence_parallel))
+                    sequence_parallel=bool(strategy.sequence_parallel), again=again)
 
 
 def _prepare(run_dir: Path) -> tuple[Config, Any]:
@@ -201,7 +203,14 @@ def run(prepared: tuple[Config, Any, bool] | None = None) -> None:
     run_dir = Path(environ[f"{ENV_PREFIX}RUN_DIR"])
     cfg, tokens, warm = (*_prepare(run_dir), False) if prepared is None else prepared
     environ[START_TIMEOUT_ENV] = str(cfg.launcher.start_timeout_s)
-    if SPARE_ID_ENV in environ and not warm:
+    if SPARE_ID_ENV in environ and warm:
+        # Forked from the warm template: the warm-up once more, in this process, on the thread that will train. The
+        # memory its allocator hands out is the template's pages until written, and a replacement's first step
+        # copied them (copy-on-write faults: its forward took 0.11-0.13 s against 0.06 s in steady state, every
+        # survivor waiting for it); written here, while the spare waits for a rank, they are its own. 0.4-0.6 s of
+        # CPU per spare (docs/design.md).
+        warm_up_again_on_this_thread(lambda: warm_up(cfg, run_dir, again=True))
+    elif SPARE_ID_ENV in environ:
         # A refill warms up at idle CPU priority (the preload again: the shim's mode is per thread).
         def preload_and_warm_up() -> None:
             preload(cfg)

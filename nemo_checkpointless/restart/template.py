@@ -49,7 +49,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nemo_checkpointless.protocol import LAUNCHER_PID_ENV
-from nemo_checkpointless.restart.kin import die_with_parent
+from nemo_checkpointless.restart.kin import die_with_parent, may_restore_priority
 
 SPARE_REFILL_ENV = "NCL_SPARE_REFILL"  # "1": this spare refills the pool while the job trains
 
@@ -74,6 +74,26 @@ def warm_up_at_idle_priority(fn: Callable[[], Any]) -> None:
     thread.join()
     if error:
         raise error[0]
+
+
+def warm_up_again_on_this_thread(fn: Callable[[], Any]) -> bool:
+    """Run `fn()` on this thread in a spare forked from a template that warmed up (see `nemo.worker.run`): this
+    thread, because glibc's allocator gives each thread an arena of its own and the pages to make the process's own
+    are those of the thread that trains. A refill runs it at nice 19 and then at its priority again, where this
+    process may raise its priority back (`kin.may_restore_priority`), and skips it where it may not (never leaving
+    the thread that trains niced). Whether it ran; an error in `fn` is re-raised."""
+    if os.environ.get(SPARE_REFILL_ENV) != "1":
+        fn()
+        return True
+    if not may_restore_priority():
+        return False
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, 19)  # (Linux: this thread)
+    try:
+        fn()
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, before)
+    return True
 
 
 def _say(message: dict[str, Any]) -> None:
