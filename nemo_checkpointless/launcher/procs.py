@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_checkpointless.protocol import RUN_DIR_ENV, SPARE_ID_ENV
+from nemo_checkpointless.restart.kin import REFILL_NICE as REFILL_NICE  # (a spare's too)
 from nemo_checkpointless.restart.kin import forked_env, stat
 from nemo_checkpointless.restart.kin import may_restore_priority as may_restore_priority  # (a spare's too)
 
@@ -101,11 +102,6 @@ def rank_pids(run_dir: str | os.PathLike[str], run_dir_var: str = RUN_DIR_ENV) -
         if top:
             out[rank] = top[0]
     return out
-
-
-# A refilled spare (a new interpreter started while the job trains) runs at this nice value until it takes a rank:
-# its imports and set-up then use the CPU the training ranks leave, not theirs.
-REFILL_NICE = 19
 
 
 def restore_priority(pid: int) -> None:

@@ -100,6 +100,12 @@ def forked_env(run_dir: str | os.PathLike[str], pid: int) -> dict[str, str]:
     return {}
 
 
+# A refilled spare (a new interpreter started while the job trains) runs at this nice value until it takes a rank:
+# its imports and set-up then use the CPU the training ranks leave, not theirs. A forked one warms up at it again
+# (`restart.template.warm_up_again_on_this_thread`).
+REFILL_NICE = 19
+
+
 def may_restore_priority() -> bool:
     """Whether this process may lower a nice value again, its own or a child's (root, or an RLIMIT_NICE that allows
     nice 0): the condition for lowering a spare's priority at all, since a rank must train at normal priority."""

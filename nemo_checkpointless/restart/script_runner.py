@@ -147,10 +147,11 @@ def _finalize(code: int) -> int:
     try:
         shutdown = getattr(threading, "_shutdown", None)  # what Python's finalisation calls (3.11 to 3.13)
         if callable(shutdown):
-            shutdown()
-        for thread in threading.enumerate():
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join()
+            shutdown()  # the hooks, then the join of every non-daemon thread
+        else:
+            for thread in threading.enumerate():
+                if thread is not threading.current_thread() and not thread.daemon:
+                    thread.join()
         atexit._run_exitfuncs()
     except SystemExit as e:
         code = _exit_code(e.code)

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nemo_checkpointless.protocol import LAUNCHER_PID_ENV
-from nemo_checkpointless.restart.kin import die_with_parent, may_restore_priority
+from nemo_checkpointless.restart.kin import REFILL_NICE, die_with_parent, may_restore_priority
 
 SPARE_REFILL_ENV = "NCL_SPARE_REFILL"  # "1": this spare refills the pool while the job trains
 
@@ -79,7 +79,7 @@ def warm_up_at_idle_priority(fn: Callable[[], Any]) -> None:
 def warm_up_again_on_this_thread(fn: Callable[[], Any]) -> bool:
     """Run `fn()` on this thread in a spare forked from a template that warmed up (see `nemo.worker.run`): this
     thread, because glibc's allocator gives each thread an arena of its own and the pages to make the process's own
-    are those of the thread that trains. A refill runs it at nice 19 and then at its priority again, where this
+    are those of the thread that trains. A refill runs it at `REFILL_NICE` and then at its priority again, where this
     process may raise its priority back (`kin.may_restore_priority`), and skips it where it may not (never leaving
     the thread that trains niced). Whether it ran; an error in `fn` is re-raised."""
     if os.environ.get(SPARE_REFILL_ENV) != "1":
@@ -88,7 +88,7 @@ def warm_up_again_on_this_thread(fn: Callable[[], Any]) -> bool:
     if not may_restore_priority():
         return False
     before = os.getpriority(os.PRIO_PROCESS, 0)
-    os.setpriority(os.PRIO_PROCESS, 0, 19)  # (Linux: this thread)
+    os.setpriority(os.PRIO_PROCESS, 0, REFILL_NICE)  # (Linux: this thread)
     try:
         fn()
     finally:
