@@ -5,6 +5,7 @@ with the test suite's `pickle_guard` installed in every rank (so a pickle anywhe
   is live: the NeMo jobs that install it would fail on a pickle);
 - inside, `all_gather_object` and `broadcast_object_list` return what torch's would: tuples, paths, nested lists
   and dicts, floats to the last bit; megatron-core's use (gather parameter-group keys, then `key not in own`);
+  objects beyond the one-block size (`objects.INLINE`), on one rank of a gather and in a broadcast;
 - an object that is not JSON on one rank stops the collective on every rank with a `TypeError` (its own rank
   names the type, the others name that rank), and the next collective of the group still works.
 """
@@ -62,6 +63,13 @@ def _rank(ctx: RankContext) -> None:
         listed: list[Any] = [f"logs/{ctx.rank}", (ctx.rank, 2)]
         dist.broadcast_object_list(listed, src=1)
         out["broadcast_equal"] = listed == ["logs/1", (1, 2)]
+        # beyond one block (objects.INLINE bytes of JSON): one rank's object, then a broadcast one, take two rounds
+        big = [ctx.rank, "x" * (objects.INLINE + 100 if ctx.rank == 1 else 3)]
+        dist.all_gather_object(box, big)
+        out["big_gathered"] = box == [[r, "x" * (objects.INLINE + 100 if r == 1 else 3)] for r in range(WORLD)]
+        huge: list[Any] = [("y" * (3 * objects.INLINE), ctx.rank)] if ctx.rank == 2 else [None]
+        dist.broadcast_object_list(huge, src=2)
+        out["big_broadcast"] = huge == [("y" * (3 * objects.INLINE), 2)]
         bad = {1, 2} if ctx.rank == 2 else ctx.rank
         out["bad_gather"] = _error(lambda: dist.all_gather_object(box, bad))
         out["bad_broadcast"] = _error(lambda: dist.broadcast_object_list([object()] if ctx.rank == 0 else [None], 0))
@@ -78,6 +86,7 @@ def test_object_collectives_send_json_and_refuse_what_is_not() -> None:
     for r, out in outs.items():
         assert out["torch_refused"].startswith("PickleCrossedProcesses"), (r, out)
         assert out["gathered_equal"] and out["broadcast_equal"], (r, out)
+        assert out["big_gathered"] and out["big_broadcast"], (r, {k: v for k, v in out.items() if "big" in k})
         assert out["types"] == ["tuple", "PosixPath", "tuple"], (r, out)
         assert out["merged"] == [[1.0, 1.0, False, False], [0.0, 1.0, False, False]], (r, out)
         assert out["bad_gather"].startswith("TypeError"), (r, out)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import json
 import os
 import time
@@ -99,17 +98,15 @@ class InProcessLauncher(_Launcher):
                 resume, how = recover_in_process(strategy, e, watch, generation)
                 reset_for_reentry(trainer)
             # After the handler, so that the exception's traceback (the failed fit's frames) is gone. That fit's
-            # objects sit in reference cycles (Lightning's, NeMo's): collect them now, with their handles to the
-            # groups (a full collection, quick when the heap of the imports is frozen: `freeze_heap`).
-            t_gc = time.perf_counter()
-            gc.collect()
-            gc_s = time.perf_counter() - t_gc
-            abandoned = abandon_default_group()
+            # objects sit in reference cycles (Lightning's, NeMo's), with handles to the groups: the reaper thread
+            # collects them (a full collection, quick when the heap of the imports is frozen: `freeze_heap`) once
+            # it has dropped the groups, while this thread sets up the next fit (it waits for its peers there).
+            abandoned = abandon_default_group(collect=True)
             session.stamps.track(session.membership.generation)
             strategy.reentry = {"recovered": time.time()}
             print(f"[rank {session.env.rank}] recovered {how} in {time.time() - t:.2f} s (generation "
-                  f"{session.membership.generation}, {abandoned} old groups abandoned, {gc_s:.2f} s to free the last "
-                  "fit); entering fit again", flush=True)
+                  f"{session.membership.generation}, {abandoned} old groups abandoned); entering fit again",
+                  flush=True)
 
 
 _WARM = False  # this process (or the template it was forked from) ran `warm_up_kernels`
@@ -434,10 +431,11 @@ def release_fit(model: Any, optimizers: Sequence[Any]) -> None:
                     group["params"] = []
 
 
-def abandon_default_group() -> int:
+def abandon_default_group(collect: bool = False) -> int:
     """Take torch.distributed's default group and every group made from it out of its tables, so that
     `init_process_group` can run again (the next generation), and destroy them on the reaper thread (megatron's
-    own handles to them are dropped first). Returns how many groups were abandoned."""
+    own handles to them are dropped first; `collect`: the reaper then collects reference cycles, which free the
+    handles a failed `fit`'s objects still hold). Returns how many groups were abandoned."""
     from torch.distributed import distributed_c10d as c10d
 
     drop_megatron_groups()
@@ -450,7 +448,7 @@ def abandon_default_group() -> int:
     c10d._unregister_all_process_groups()
     world.group_count = 0
     count = len(groups)
-    reap(groups)
+    reap(groups, collect=collect)
     del groups
     return count
 

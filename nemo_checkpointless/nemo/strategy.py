@@ -141,6 +141,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self._init_before: dict[str, Any] | None = None
         self.built_uninitialised = False  # the last fit's model was built without initialisation (a resume)
         self.kill_at_gather: set[int] = set()  # fault plan kind kill, target gather: the steps (1-based)
+        self._quiet_barriers = False  # a re-entered fit's set-up: Lightning's barriers are skipped (`barrier`)
 
     # ------------------------------------------------------------------------------------------ the session
     @property
@@ -179,7 +180,9 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         """Before a `fit` of the session's current generation: its default group is made from the launcher's store
         (prefix `nemo/gen<g>/`), and `resume` (a `MegatronParticipant` state) is loaded once the model and
         optimizer exist."""
-        self.pg_store = dist.PrefixStore(f"nemo/gen{self.session.membership.generation}/", self.session.store)
+        generation = self.session.membership.generation
+        self.pg_store = dist.PrefixStore(f"nemo/gen{generation}/", self.session.store)
+        self._quiet_barriers = generation > 0
         self._restore_initialization()  # a fit that failed before its `setup` left it off
         self.resume = resume
         self.resume_step = int(resume[1]["step"]) if resume is not None else 0
@@ -351,6 +354,40 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         return box[0]
 
     @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's barrier, but while a fit of a later generation sets up (from `begin_generation` to
+        `on_train_start`). Lightning waits for every rank at five points there (before and after the setup hooks,
+        after the restore, as the stage and its data start); they order file-system work of the first fit (rank 0
+        makes a directory, the others then use it), which a re-entered fit finds done. Each costs every rank a wait
+        for the last one, on the path of a recovery. Every rank of a generation skips them alike (the generation
+        decides, not the rank's history), so no rank waits in one the others skip."""
+        if not self._quiet_barriers:
+            super().barrier(*args, **kwargs)
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """`DDPStrategy.reduce` (the same result, in place), without the barrier Lightning's `_sync_ddp` runs before
+        its all-reduce: the all-reduce already waits for every rank. Lightning reduces twice as a fit starts (the
+        sizes of the training data, `has_len_all_ranks`)."""
+        if not isinstance(tensor, torch.Tensor) or not dist.is_available() or not dist.is_initialized():
+            return tensor
+        group = dist.group.WORLD if group is None else group
+        op, divide = dist.ReduceOp.SUM, False
+        if isinstance(reduce_op, str):
+            name = "avg" if reduce_op.lower() in ("mean", "avg") else reduce_op.lower()
+            if name == "avg" and dist.get_backend(group) == "gloo":  # gloo has no AVG: a sum, then divided
+                divide = True
+            else:
+                op = getattr(dist.ReduceOp, name.upper())
+        elif reduce_op is not None:
+            op = reduce_op
+        dist.all_reduce(tensor, op=op, group=group)
+        if not divide:
+            return tensor
+        world = dist.get_world_size(group)
+        return tensor.div_(world) if torch.is_floating_point(tensor) else tensor.copy_(tensor / world)
+
+    @override
     def process_dataloader(self, dataloader: Any) -> Any:
         if (self._position_from_resume and self.data_sampler is not None
                 and getattr(dataloader, "mode", "train") == "train"):
@@ -366,6 +403,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._quiet_barriers = False  # from here Lightning's barriers (a user's callback's too) wait again
         step = self.resume_step
         if step:
             # Resume Lightning's counters at the step boundary the loaded state belongs to.

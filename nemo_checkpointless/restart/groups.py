@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import json
 import os
 import queue
@@ -402,7 +403,8 @@ class _Reaper:
             # The process group first (joins its worker threads once a stuck collective ends), then the unfinished
             # works, which hold the gloo context: the last reference to it closes the sockets and its loop thread.
             while objects:
-                objects.pop(0)
+                if objects.pop(0) is COLLECT:
+                    gc.collect()
             del objects
             with self._lock:
                 self._pending -= 1
@@ -417,9 +419,15 @@ class _Reaper:
 _REAPER = _Reaper()
 
 
-def reap(obj: Any) -> None:
-    """Drop the caller's last reference to `obj` (anything that holds gloo groups) on the reaper thread."""
-    _REAPER.put([obj])
+COLLECT = object()  # handed to the reaper: a full garbage collection there, after what came before it
+
+
+def reap(obj: Any, collect: bool = False) -> None:
+    """Drop the caller's last reference to `obj` (anything that holds gloo groups) on the reaper thread; `collect`:
+    then run a full garbage collection there, for what still holds them from reference cycles (a failed `fit`'s
+    objects): the groups they hold are destroyed on that thread too, and the caller goes on meanwhile (the collection
+    holds the GIL, ~10 ms here, while the caller mostly waits for its peers with the GIL released)."""
+    _REAPER.put([obj, COLLECT] if collect else [obj])
 
 
 def release_groups(groups: Sequence[Group]) -> None:

@@ -7,9 +7,14 @@ crosses a process boundary. Dependencies call them while `fit` sets up on the Ne
 parameter-group keys, tuples of floats and booleans). The functions here take torch's arguments and send JSON:
 None, booleans, numbers, strings, lists, string-keyed dicts, tuples and paths (tuples and paths are tagged and come
 back as themselves: megatron compares the keys it gathers with its own tuples). Any other object stops the
-collective on every rank with one `TypeError` naming its type and the rank that holds it (each rank first sends
-the size of what it encoded, or -1: nobody waits for bytes that will not come). `json_object_collectives()` puts
-them in place of torch's for a block.
+collective on every rank with one `TypeError` naming its type and the rank that holds it (each rank sends the size
+of what it encoded, or -1, with its first bytes: nobody waits for bytes that will not come).
+`json_object_collectives()` puts them in place of torch's for a block.
+
+One collective where the objects are small (up to `INLINE` bytes of JSON each, as in both uses above): the size
+and the bytes travel in one fixed-size block, and only a larger object takes a second collective for the rest
+(torch's take two or three). Each is a point where every rank waits for the last, and a re-entered `fit` runs
+several.
 """
 
 from __future__ import annotations
@@ -80,25 +85,47 @@ def _encoded(obj: Any) -> tuple[torch.Tensor | None, str]:
         return None, str(e)
 
 
+INLINE = 4088  # bytes of JSON that travel with the size (a block of 4 KiB)
+_HEADER = 8  # the size, an int64 (-1: the object is not JSON)
+
+
+def _block(payload: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The size of `payload` (-1 for None) and its first `INLINE` bytes, in one block."""
+    block = torch.zeros(_HEADER + INLINE, dtype=torch.uint8)
+    block[:_HEADER] = torch.tensor([payload.numel() if payload is not None else -1], dtype=torch.int64).view(
+        torch.uint8)
+    if payload is not None:
+        head = payload[:INLINE]
+        block[_HEADER:_HEADER + head.numel()] = head
+    return block.to(device)
+
+
+def _size(block: torch.Tensor) -> int:
+    return int(block[:_HEADER].cpu().view(torch.int64).item())
+
+
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
     """`torch.distributed.all_gather_object`, with JSON: `object_list[i]` becomes rank i's `obj`."""
     device = _device(group)
     payload, error = _encoded(obj)
-    size = torch.tensor([payload.numel() if payload is not None else -1], dtype=torch.long, device=device)
     world = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    counts = [int(s.item()) for s in sizes]
+    blocks = [torch.empty(_HEADER + INLINE, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(blocks, _block(payload, device), group=group)
+    counts = [_size(b) for b in blocks]
     if error or -1 in counts:
         raise TypeError(error or f"all_gather_object: the object of group rank {counts.index(-1)} is not JSON: {_RULE}")
     top = max(counts)
-    padded = torch.zeros(top, dtype=torch.uint8, device=device)
-    assert payload is not None
-    padded[: payload.numel()] = payload.to(device)
-    outs = [torch.empty(top, dtype=torch.uint8, device=device) for _ in range(world)]
-    dist.all_gather(outs, padded, group=group)
-    for i, (out, n) in enumerate(zip(outs, counts, strict=True)):
-        object_list[i] = from_bytes(out[:n].cpu().numpy().tobytes())
+    if top <= INLINE:
+        datas = [b[_HEADER:_HEADER + n] for b, n in zip(blocks, counts, strict=True)]
+    else:  # one object at least is larger: every rank sends the whole of its own, padded to the largest
+        assert payload is not None
+        padded = torch.zeros(top, dtype=torch.uint8, device=device)
+        padded[: payload.numel()] = payload.to(device)
+        outs = [torch.empty(top, dtype=torch.uint8, device=device) for _ in range(world)]
+        dist.all_gather(outs, padded, group=group)
+        datas = [out[:n] for out, n in zip(outs, counts, strict=True)]
+    for i, data in enumerate(datas):
+        object_list[i] = from_bytes(data.cpu().numpy().tobytes())
 
 
 def broadcast_object_list(object_list: list[Any], src: int | None = None, group: Any = None,
@@ -108,16 +135,20 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
     if src is None:
         src = dist.get_global_rank(group, group_src) if group is not None and group_src is not None else 0
     dev = torch.device(device) if device is not None else _device(group)
-    payload, error = _encoded(list(object_list)) if dist.get_rank() == src else (None, "")
-    size = torch.tensor([payload.numel() if payload is not None else -1], dtype=torch.long, device=dev)
-    dist.broadcast(size, src, group=group)
-    n = int(size.item())
+    mine = dist.get_rank() == src
+    payload, error = _encoded(list(object_list)) if mine else (None, "")
+    block = _block(payload, dev) if mine else torch.empty(_HEADER + INLINE, dtype=torch.uint8, device=dev)
+    dist.broadcast(block, src, group=group)
+    n = _size(block)
     if n < 0:
         raise TypeError(error or f"broadcast_object_list: an object of rank {src} is not JSON: {_RULE}")
-    buf = payload.to(dev) if payload is not None else torch.empty(n, dtype=torch.uint8, device=dev)
-    dist.broadcast(buf, src, group=group)
-    if dist.get_rank() != src:
-        object_list[:] = from_bytes(buf.cpu().numpy().tobytes())
+    if n <= INLINE:
+        data = block[_HEADER:_HEADER + n]
+    else:
+        data = payload.to(dev) if payload is not None else torch.empty(n, dtype=torch.uint8, device=dev)
+        dist.broadcast(data, src, group=group)
+    if not mine:
+        object_list[:] = from_bytes(data.cpu().numpy().tobytes())
 
 
 @contextlib.contextmanager
