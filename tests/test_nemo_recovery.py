@@ -19,6 +19,7 @@ Five launches (~50 s, ~80 s, ~50 s, ~50 s on 2 cores, and a 10 s Lightning run).
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -107,6 +108,9 @@ def test_kill_then_hang_recover_p2p_in_process_and_end_bitwise_equal(reference: 
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "kill-hang" / "logs").glob("*.log"))
     back = [line for line in logs.splitlines() if "back in fit:" in line]
     assert len(back) >= 4 and all("model built uninitialised" in line for line in back), back
+    # ... and ran none of Lightning's set-up barriers (every rank of a later generation skips them alike).
+    skipped = [re.search(r"(\d+) of Lightning's barriers skipped", line) for line in back]
+    assert all(m is not None and int(m[1]) >= 3 for m in skipped), back
     # The hang is found by the progress watchdog: after its 5 s floor, and before the 8 s collective timeout
     # expires unless this machine's steps were so slow that its deadline (10 x their p95) is the later one.
     assert hang["hang"]["2"].startswith("stopped (state T)") and hang["hang_deadline_s"] >= 5, hang

@@ -122,7 +122,8 @@ class CheckpointlessCallback(pl.Callback):
             t = strategy.reentry
             print(f"[rank {session.env.rank}] back in fit: fit set-up {t['train_start'] - t['recovered']:.2f} s "
                   f"(of which groups {t.get('groups', 0.0):.2f} s; model built "
-                  f"{'uninitialised' if strategy.built_uninitialised else 'and initialised'}), first step "
+                  f"{'uninitialised' if strategy.built_uninitialised else 'and initialised'}; "
+                  f"{strategy.barriers_skipped} of Lightning's barriers skipped), first step "
                   f"{time.time() - t['train_start']:.2f} s ({compiled_graphs() - t['graphs']:.0f} graphs compiled)",
                   flush=True)
             strategy.reentry = {}

@@ -142,6 +142,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.built_uninitialised = False  # the last fit's model was built without initialisation (a resume)
         self.kill_at_gather: set[int] = set()  # fault plan kind kill, target gather: the steps (1-based)
         self._quiet_barriers = False  # a re-entered fit's set-up: Lightning's barriers are skipped (`barrier`)
+        self.barriers_skipped = 0  # by the current generation's fit
 
     # ------------------------------------------------------------------------------------------ the session
     @property
@@ -182,7 +183,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         optimizer exist."""
         generation = self.session.membership.generation
         self.pg_store = dist.PrefixStore(f"nemo/gen{generation}/", self.session.store)
-        self._quiet_barriers = generation > 0
+        self._quiet_barriers, self.barriers_skipped = generation > 0, 0
         self._restore_initialization()  # a fit that failed before its `setup` left it off
         self.resume = resume
         self.resume_step = int(resume[1]["step"]) if resume is not None else 0
@@ -361,8 +362,10 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         makes a directory, the others then use it), which a re-entered fit finds done. Each costs every rank a wait
         for the last one, on the path of a recovery. Every rank of a generation skips them alike (the generation
         decides, not the rank's history), so no rank waits in one the others skip."""
-        if not self._quiet_barriers:
-            super().barrier(*args, **kwargs)
+        if self._quiet_barriers:
+            self.barriers_skipped += 1
+            return
+        super().barrier(*args, **kwargs)
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
