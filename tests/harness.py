@@ -337,6 +337,15 @@ class RankGroup:
             sys.stderr.write(f"harness: rank logs of the failed test kept in {self.log_dir}\n")
 
 
+def emitted_by_ranks(target: str, world_size: int, key: str = "out", timeout_s: float = 60) -> dict[int, Any]:
+    """Run `world_size` ranks of `target` to the end (`launch_ranks`); what each emitted under `key`. Fails if a rank
+    emits nothing or exits other than 0."""
+    with launch_ranks(target, world_size, timeout_s=timeout_s) as ranks:
+        outs = ranks.wait_emitted(key, range(world_size), timeout_s=timeout_s)
+        assert ranks.wait(timeout_s) == [0] * world_size
+    return outs
+
+
 def launch_ranks(target: str, world_size: int, args: Sequence[Any] = (), timeout_s: float = 60,
                  env: dict[str, str] | None = None, spares: int = 0, *,
                  collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, log_dir: Path | None = None) -> RankGroup:
