@@ -28,6 +28,7 @@ recovery engine), and the data position and Lightning's counters start at its st
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import time
 from collections.abc import Iterator
@@ -262,7 +263,8 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
             calls.append(1)
             if self.pg_timeout_s is not None:
                 kwargs["distributed_timeout_minutes"] = self.pg_timeout_s / 60
-            with one_gloo_group_per_member_set():
+            timeout = datetime.timedelta(seconds=self.pg_timeout_s) if self.pg_timeout_s is not None else None
+            with one_gloo_group_per_member_set(timeout):
                 return original(*args, **kwargs)
 
         if self.pg_timeout_s is not None:
@@ -473,19 +475,23 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
 
 
 @contextlib.contextmanager
-def one_gloo_group_per_member_set() -> Iterator[None]:
+def one_gloo_group_per_member_set(default_timeout: datetime.timedelta | None = None) -> Iterator[None]:
     """While megatron-core creates its groups: a gloo group asked for again with the same members, timeout and no
     options is the group made the first time. Megatron asks for 66 groups with 4 ranks (19 distinct member sets;
     each rank's own one-rank group 10 times, the world 5 times), each a connect through the launcher's store, and
     every generation's `fit` makes them again. Safe because every member of a group runs the same sequence of
     collectives on it whichever of megatron's names it uses (all ranks make the same calls in the same order, so
     the groups' names and store keys still agree). Groups of another backend (NCCL, created lazily) or with
-    options are made as asked."""
+    options are made as asked. A group asked for without a timeout gets `default_timeout` (megatron-core 0.15
+    passes none for its expert groups, which then had torch's 30 minutes instead of the job's failure detector,
+    and were two more connects of member sets already made)."""
     original = dist.new_group
     made: dict[tuple[Any, ...], Any] = {}
 
     def new_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_options: Any = None,
                   use_local_synchronization: bool = False, group_desc: str | None = None, **rest: Any) -> Any:
+        if timeout is None:
+            timeout = default_timeout
         args = dict(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options,
                     use_local_synchronization=use_local_synchronization, group_desc=group_desc, **rest)
         name = str(backend) if backend is not None else str(dist.get_backend())
