@@ -13,8 +13,9 @@ it again with a fresh Megatron setup on the next generation's default group:
   received as `resume=`;
 - `abandon_default_group()` takes the failed default group and every group derived from it out of
   torch.distributed's tables and hands them to the reaper thread (`restart.groups.reap`), which destroys them
-  off the training thread once nothing else holds them: a forgotten gloo group keeps its sockets and can leave
-  its transport thread spinning on a core (see `restart.groups`).
+  off the training thread once nothing else holds them (it collects the failed `fit`'s reference cycles, which
+  still hold some): a forgotten gloo group keeps its sockets and can leave its transport thread spinning on a
+  core (see `restart.groups`).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class InProcessLauncher(_Launcher):
             # objects sit in reference cycles (Lightning's, NeMo's), with handles to the groups: the reaper thread
             # collects them (a full collection, quick when the heap of the imports is frozen: `freeze_heap`) once
             # it has dropped the groups, while this thread sets up the next fit (it waits for its peers there).
-            abandoned = abandon_default_group(collect=True)
+            abandoned = abandon_default_group()
             session.stamps.track(session.membership.generation)
             strategy.reentry = {"recovered": time.time()}
             print(f"[rank {session.env.rank}] recovered {how} in {time.time() - t:.2f} s (generation "
@@ -431,11 +432,11 @@ def release_fit(model: Any, optimizers: Sequence[Any]) -> None:
                     group["params"] = []
 
 
-def abandon_default_group(collect: bool = False) -> int:
+def abandon_default_group() -> int:
     """Take torch.distributed's default group and every group made from it out of its tables, so that
     `init_process_group` can run again (the next generation), and destroy them on the reaper thread (megatron's
-    own handles to them are dropped first; `collect`: the reaper then collects reference cycles, which free the
-    handles a failed `fit`'s objects still hold). Returns how many groups were abandoned."""
+    own handles to them are dropped first; the reaper then collects reference cycles, which free the handles a
+    failed `fit`'s objects still hold). Returns how many groups were abandoned."""
     from torch.distributed import distributed_c10d as c10d
 
     drop_megatron_groups()
@@ -448,7 +449,7 @@ def abandon_default_group(collect: bool = False) -> int:
     c10d._unregister_all_process_groups()
     world.group_count = 0
     count = len(groups)
-    reap(groups, collect=collect)
+    reap(groups, collect=True)
     del groups
     return count
 
