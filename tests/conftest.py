@@ -2,8 +2,10 @@
 initialized default process group or a change to `os.environ`. In-process restart is all about leftovers, so the
 tests must not leave any either.
 
-Also skips `gpu` tests without CUDA and `nemo` tests without NeMo, and runs the session with `OMP_NUM_THREADS=1`
-(CPU kernels on the two cores of CI, and bitwise-reproducible results).
+Also skips `gpu` tests without CUDA and `nemo` tests without NeMo, runs the session with `OMP_NUM_THREADS=1`
+(CPU kernels on the two cores of CI, and bitwise-reproducible results), and with `--timeout-cap=S` (the PR tier of
+`scripts/test.sh`) lowers every test's timeout to at most S seconds (`--timeout-cap-nemo` for `nemo`-marked ones),
+so that a hung test costs minutes, not the CI run.
 """
 
 from __future__ import annotations
@@ -30,12 +32,42 @@ import torch.distributed as dist  # noqa: E402
 _THREAD_GRACE_S = 2.0
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("nemo_checkpointless")
+    group.addoption("--timeout-cap", type=float, default=None, metavar="S",
+                    help="lower every test's timeout (pytest-timeout) to at most S seconds")
+    group.addoption("--timeout-cap-nemo", type=float, default=None, metavar="S",
+                    help="the same for `nemo`-marked tests (default: --timeout-cap)")
+
+
+def _timeout_of(item: pytest.Item, config: pytest.Config) -> float | None:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+    else:
+        value = config.getini("timeout")
+    return float(value) if value not in (None, "") else None
+
+
+def _cap_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cap = config.getoption("timeout_cap")
+    if cap is None:
+        return
+    cap_nemo = config.getoption("timeout_cap_nemo") or cap
+    for item in items:
+        limit = cap_nemo if item.get_closest_marker("nemo") else cap
+        current = _timeout_of(item, config)
+        if current is None or current <= 0 or current > limit:
+            item.add_marker(pytest.mark.timeout(limit), append=False)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _SET_OMP:
         os.environ.pop("OMP_NUM_THREADS", None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _cap_timeouts(config, items)
     if any(item.get_closest_marker("gpu") for item in items) and not torch.cuda.is_available():
         skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
         for item in items:

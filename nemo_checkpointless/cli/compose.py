@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import re
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +17,19 @@ from nemo_checkpointless.errors import ConfigError
 _PKG_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _data_dir(repo_name: str, package: str) -> Path:
-    """conf/ or recipes/ beside the package (a source checkout), else the copy installed as package data."""
-    repo = _PKG_ROOT.parent / repo_name
-    if repo.is_dir():
-        return repo
-    return Path(str(resources.files(package)))
+def _data_dir(repo_name: str, installed_name: str) -> Path:
+    """The YAML folder `installed_name` inside the installed package (a wheel: nemo_checkpointless/_conf), else
+    `repo_name` beside the package (a source checkout or an editable install: conf/, recipes/)."""
+    installed = _PKG_ROOT / installed_name
+    return installed if installed.is_dir() else _PKG_ROOT.parent / repo_name
 
 
 def conf_dir() -> Path:
-    return _data_dir("conf", "nemo_checkpointless._conf")
+    return _data_dir("conf", "_conf")
 
 
 def recipes_dir() -> Path:
-    return _data_dir("recipes", "nemo_checkpointless._recipes")
+    return _data_dir("recipes", "_recipes")
 
 
 def recipe_names() -> list[str]:
