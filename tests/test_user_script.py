@@ -8,6 +8,10 @@ real signals from outside, every rank's parameters and optimizer shard compared 
   from the shared-memory cache;
 - bad input: one clear message and a non-zero exit each, nothing left running;
 - the launcher killed: no rank or spare outlives it.
+
+The script logs every step each of its processes completes (`--step-log`, read by tests/steplog.py): no step ran
+twice or was skipped, ranks the test did not kill kept their process, and every step's batch is the fault-free
+run's, all from the ranks' own records.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import steplog
 from harness import child_env, finish_job, job_progress
 
 from nemo_checkpointless.launcher.procs import job_pids, rank_pids
@@ -48,7 +53,7 @@ def _launch(run_dir: Path, *args: str, script: Path = SCRIPT, script_args: tuple
 
 
 def _finish(proc: subprocess.Popen[bytes], run_dir: Path) -> dict[str, Any]:
-    return finish_job(proc, run_dir, "user_rank{r}.json", TIMEOUT_S)
+    return {**finish_job(proc, run_dir, "user_rank{r}.json", TIMEOUT_S), "run_dir": run_dir}
 
 
 def _run(run_dir: Path, *args: str, script_args: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -78,6 +83,16 @@ def _kill_when(run_dir: Path, rank: int, sig: int, at_step: int | None, done: li
     return thread
 
 
+def _assert_ran(summary: dict[str, Any], steps: int, killed: dict[int, int] | None = None,
+                reference: dict[str, Any] | None = None) -> None:
+    """From the ranks' own step logs (`steplog.assert_steps`): steps 1..`steps` once each per rank, ranks not in
+    `killed` in one process, the batches of `reference`'s run; and the process that wrote each rank's final record
+    (its own `os.getpid()`) is the one that logged the rank's last step."""
+    logs = steplog.assert_steps(summary["run_dir"], steps, killed=killed,
+                                reference=reference["run_dir"] if reference else None)
+    assert {r: logs[r][-1].pid for r in range(4)} == {r: summary["ranks"][r]["pid"] for r in range(4)}
+
+
 def _assert_equal(reference: dict[str, Any], summary: dict[str, Any], steps: int) -> None:
     assert summary["final_step"] == steps, summary["recoveries"]
     assert summary["state_sha256"] == reference["state_sha256"], json.dumps(summary["recoveries"], indent=1)
@@ -87,8 +102,8 @@ def _assert_equal(reference: dict[str, Any], summary: dict[str, Any], steps: int
         assert summary["ranks"][r]["global_step"] == steps
 
 
-LOADER = ("--max-steps", "40", "--step-sleep", "0.03")
-DICTS = ("--datamodule", "--accumulate", "2", "--max-steps", "30", "--step-sleep", "0.02")
+LOADER = ("--max-steps", "40", "--step-sleep", "0.03", "--step-log")
+DICTS = ("--datamodule", "--accumulate", "2", "--max-steps", "30", "--step-sleep", "0.02", "--step-log")
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +111,7 @@ def reference_loader(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
     run_dir = tmp_path_factory.mktemp("user") / "ref-loader"
     summary = _run(run_dir, script_args=LOADER)
     assert summary["recoveries"] == [] and summary["final_step"] == 40
+    _assert_ran(summary, 40)
     # 512 samples, 4 ranks, batches of 8: 16 steps an epoch; 40 steps cross two epoch boundaries.
     assert summary["ranks"][0]["epoch"] == 3
     return summary
@@ -128,8 +144,9 @@ def test_killed_at_start_up_at_a_boundary_and_mid_step_ends_equal(reference_load
     # SIGTERM: Lightning's handler stops the rank at its next step boundary; it is replaced like a crash.
     term = recoveries[3]
     assert term["failed_ranks"] == [0] and term["path"] == "p2p" and term["steps_lost"] == 0, term
-    # Healthy ranks kept their process through the in-process recoveries (rank 1: restart, then its fault).
-    assert summary["ranks"][1]["pid"] == summary["pids"]["1"][-1] and len(summary["pids"]["1"]) == 3
+    # From the ranks' own logs: every step once per rank; ranks 0, 1 and 2, killed once each after training had
+    # started, in two processes each; rank 3 (killed before any step, the whole job started again) in one.
+    _assert_ran(summary, 40, killed={0: 1, 1: 1, 2: 1}, reference=reference_loader)
     # Ranks 2 and 0 were replaced by spares refilled while the job trained, which start niced where the launcher
     # may restore their priority (`launcher.procs`): every rank trained at nice 0.
     assert [summary["ranks"][r]["nice"] for r in range(4)] == [0] * 4, summary["ranks"]
@@ -154,6 +171,7 @@ def test_training_collectives_on_a_second_plane_recovered_equal(reference_loader
     recoveries = summary["recoveries"]
     assert [(r["failed_ranks"], r["path"], r["steps_lost"]) for r in recoveries] == [
         ([1], "p2p", 0), ([2], "p2p", 0)], recoveries
+    _assert_ran(summary, 40, killed={1: 1, 2: 1}, reference=reference_loader)
     planes = {r: summary["ranks"][r]["device_plane"] for r in range(4)}
     # Every rank ran its step's collectives there (2 a step: the gradient all-reduce and the parameter
     # all-gather, plus the user's sync_dist log); a survivor of the SIGKILL saw a device-plane wait fail.
@@ -164,12 +182,13 @@ def test_training_collectives_on_a_second_plane_recovered_equal(reference_loader
 
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_validation_and_bf16_mixed_recovered_equal(tmp_path: Path) -> None:
-    args = ("--max-steps", "40", "--val-every", "6", "--precision", "bf16-mixed", "--step-sleep", "0.02")
+    args = ("--max-steps", "40", "--val-every", "6", "--precision", "bf16-mixed", "--step-sleep", "0.02", "--step-log")
     reference = _run(tmp_path / "ref-val", script_args=args)
     summary = _run(tmp_path / "faults-val", "--spares", "1", "--fault", "kill:1:14", script_args=args)
     _assert_equal(reference, summary, 40)
     [recovery] = summary["recoveries"]
     assert recovery["path"] == "p2p" and recovery["steps_lost"] == 0, recovery
+    _assert_ran(summary, 40, killed={1: 1}, reference=reference)
     # Validation ran after batches 6 and 12 of each 16-batch epoch (5 times in 40 steps), 2 batches of its
     # 64 samples on each of the 4 ranks each time; a survivor validated as often in the faulted run.
     assert reference["ranks"][0]["val_batches"] == 5 * 2, reference["ranks"][0]
@@ -190,12 +209,14 @@ def test_datamodule_dict_batches_accumulation_recovered_equal(tmp_path: Path) ->
     _assert_equal(reference, summary, 30)
     paths = [(r["failed_ranks"], r["path"], r["steps_lost"]) for r in summary["recoveries"]]
     assert paths == [([1], "p2p", 0), ([0], "p2p", 0)], json.dumps(summary["recoveries"], indent=1)
+    _assert_ran(summary, 30, killed={1: 1, 0: 1}, reference=reference)  # both micro-batches of each step
     # Tier 2: the same DataModule through MmapDataModule trains on the same batches (the same end state as the
     # plain run), and rank 1's replacement reads its first batch (step 12's first micro-batch: 16 + 6) from the
     # job's shared-memory cache, where rank 1 had prefetched it before it was killed.
     run_dir = tmp_path / "faults-mmap"
     summary = _run(run_dir, "--spares", "1", "--fault", "kill:1:12", script_args=(*DICTS, "--mmap"))
     _assert_equal(reference, summary, 30)
+    _assert_ran(summary, 30, killed={1: 1}, reference=reference)
     spare_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("spare_*.log"))
     assert "[rank 1] data: first batch (micro-batch 22 of the run) from the cache" in spare_logs, spare_logs[-3000:]
 
@@ -317,15 +338,17 @@ def test_a_second_death_during_the_recovery_is_recovered_too(reference_loader: d
     [recovery] = summary["recoveries"]
     assert recovery["failed_ranks"] == [1, 2] and recovery["path"] == "p2p", recovery
     assert recovery["steps_lost"] == 0 and recovery["step"] == 12, recovery
+    _assert_ran(summary, 40, killed={1: 1, 2: 1}, reference=reference_loader)
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_a_slow_rank_is_reported_as_a_straggler_and_not_replaced(tmp_path: Path) -> None:
     """Rank 2 sleeps 60 ms in every training_step (before `self.log(sync_dist=True)`, where the others then wait
     for it): flagged in the log and summary.json, with every rank's own work per step; nothing replaced."""
-    summary = _run(tmp_path / "slow", script_args=("--max-steps", "60", "--slow-rank", "2", "--slow-s", "0.06"))
+    summary = _run(tmp_path / "slow", script_args=("--max-steps", "60", "--slow-rank", "2", "--slow-s", "0.06",
+                                                    "--step-log"))
     assert summary["recoveries"] == [] and summary["final_step"] == 60
-    assert all(len(pids) == 1 for pids in summary["pids"].values()), summary["pids"]
+    _assert_ran(summary, 60)  # no rank replaced: one process each
     assert [e["rank"] for e in summary["stragglers"]] == [2], summary["stragglers"]
     assert summary["stragglers"][0]["factor"] >= 1.5
     busy = summary["rank_busy_s"]
@@ -339,9 +362,9 @@ def test_a_slow_step_within_the_adapted_deadline_is_not_a_hang(tmp_path: Path) -
     Rank 1's step 6 then takes 6 s longer (asleep, idle, while the others wait for it in the collective): longer
     than the floor, shorter than the adapted deadline, so it is not declared hung."""
     summary = _run(tmp_path / "slow-step", script_args=("--max-steps", "10", "--step-sleep", "0.8", "--slow-rank",
-                                                         "1", "--slow-s", "6", "--slow-step", "6"))
+                                                         "1", "--slow-s", "6", "--slow-step", "6", "--step-log"))
     assert summary["recoveries"] == [] and summary["final_step"] == 10, summary["recoveries"]
-    assert all(len(pids) == 1 for pids in summary["pids"].values()), summary["pids"]
+    _assert_ran(summary, 10)  # no rank replaced: one process each
     assert "is hung" not in summary["log"], summary["log"][-3000:]
     # A 5 s floor would have declared it hung; the deadline followed the steps (and, after it, that slow step).
     assert summary["hang_deadline_s"] > 6, summary["hang_deadline_s"]

@@ -6,12 +6,14 @@ LightningDataModule with dict batches, optionally through `MmapDataModule`), its
 Run by the tests with `checkpointless-run --nproc-per-node 4 --spares 1 tests/scripts/user_lightning.py ...`.
 
 At the end every rank writes `RUN_DIR/user_rank<r>.json`: digests of its parameters and of its own optimizer
-state (its shard), which the tests compare with a fault-free run.
+state (its shard), which the tests compare with a fault-free run. With `--step-log` every process also logs each
+optimizer step it completes (`StepLog`: the format tests/steplog.py reads).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -103,6 +105,36 @@ class Progress(pl.Callback):
         os.replace(path + ".tmp", path)
 
 
+class StepLog(pl.Callback):
+    """After every optimizer step this process completes, one JSON line appended to
+    RUN_DIR/steps_rank<r>.<pid>.jsonl (closed at once: a killed rank's lines survive it): rank, pid, step, a digest
+    of the step's micro-batches and a monotonic time (which orders a rank's processes)."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.before = -1
+        self.digest = hashlib.sha256()
+
+    def on_train_start(self, trainer: pl.Trainer, *args: object) -> None:
+        self.digest = hashlib.sha256()  # fit entered again: a step begun before it never completed
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object,
+                             batch_idx: int) -> None:
+        self.before = trainer.global_step
+        tensors = [batch[k] for k in sorted(batch)] if isinstance(batch, dict) else batch
+        for t in tensors:  # type: ignore[attr-defined]
+            self.digest.update(t.detach().cpu().numpy().tobytes())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step == self.before:
+            return  # a micro-batch that did not step
+        line = {"rank": trainer.global_rank, "pid": os.getpid(), "step": trainer.global_step,
+                "batch": self.digest.hexdigest()[:16], "t": time.monotonic()}
+        self.digest = hashlib.sha256()
+        with open(os.path.join(self.run_dir, f"steps_rank{trainer.global_rank}.{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
 class EvalLoss(pl.Callback):
     """After every optimizer step: the model's loss on a fixed held-out set (eval mode: no dropout, no RNG drawn),
     appended as "step loss" to RUN_DIR/eval_loss_rank<r>.txt: the loss curve the shrink tests compare."""
@@ -144,6 +176,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--accelerator", default="cpu", help="gpu: one CUDA device a rank (scripts/gpu_check.sh)")
     parser.add_argument("--eval-loss", action="store_true", help="write the held-out loss after every step")
+    parser.add_argument("--step-log", action="store_true", help="log every completed step (StepLog)")
     args = parser.parse_args()
     run_dir = os.environ.get("NCL_RUN_DIR", ".")
 
@@ -154,7 +187,8 @@ def main() -> None:
         accelerator=args.accelerator, devices=int(args.devices) if args.devices.isdigit() else args.devices,
         num_nodes=args.num_nodes,
         strategy=CheckpointlessStrategy(),
-        callbacks=[CheckpointlessCallback(), Progress(run_dir), *([EvalLoss(run_dir)] if args.eval_loss else [])],
+        callbacks=[CheckpointlessCallback(), Progress(run_dir), *([EvalLoss(run_dir)] if args.eval_loss else []),
+                   *([StepLog(run_dir)] if args.step_log else [])],
         max_steps=args.max_steps, max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
         gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, precision=args.precision,
