@@ -329,10 +329,10 @@ def test_sbatch_test_only_against_a_real_slurmctld(tmp_path: Path) -> None:
     ctld = subprocess.Popen([SLURMCTLD, "-D", "-i", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 15
+        # Until the controller answers (a controller that stopped fails here; one that never answers, at the
+        # test's timeout: its start takes what the machine's load makes it take).
         while "is UP" not in subprocess.run(["scontrol", "ping"], env=env, capture_output=True, text=True).stdout:
             assert ctld.poll() is None, (tmp_path / "slurmctld.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "slurmctld did not come up"
             time.sleep(0.2)
 
         def test_only(overrides: list[str]) -> subprocess.CompletedProcess[str]:

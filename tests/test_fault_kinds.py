@@ -103,34 +103,52 @@ def test_a_slow_rank_is_reported_as_a_straggler_and_not_replaced(tmp_path: Path)
     summary = _run(run_dir, "--spares", "1", "--fault", "slow:2:5", script_args=("--max-steps", "60"))
     assert summary["recoveries"] == [] and summary["final_step"] == 60, summary["recoveries"]
     assert all(len(pids) == 1 for pids in summary["pids"].values()), summary["pids"]
-    [episode] = summary["stragglers"]
-    # Found once its window (20 samples) held enough slow steps, and slow to the end: one episode.
+    # Rank 2's episode: found once its window (20 samples) held enough slow steps, and slow to the end: one. Another
+    # rank may be reported as well on a loaded machine (its own work is ~4 ms a step, so a neighbour's 2 ms more is
+    # the 1.5x the report is for): what is asserted is rank 2's, not that the machine was quiet.
+    [episode] = [e for e in summary["stragglers"] if e["rank"] == 2]
     assert episode["rank"] == 2 and episode["factor"] >= 1.5 and episode["last_step"] >= 50, episode
+    # Rank 2's own work holds the injected delay (a lower bound: load only adds to it), and it is the straggler
+    # factor (the launcher's default, 1.5) above every other rank's, as the episode needed in its windows.
     busy = summary["rank_busy_s"]
-    assert busy["2"] > faults.SLOW_S and all(busy[r] < busy["2"] / 2 for r in "013"), busy
+    assert busy["2"] > faults.SLOW_S and all(1.5 * busy[r] <= busy["2"] for r in "013"), busy
     assert "rank 2 is a straggler" in summary["log"], summary["log"][-3000:]
     # Fired once, by rank 2 at its step 5.
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
     assert logs.count("injected fault: slow") == 1 and "[rank 2] injected fault: slow at step 5" in logs
 
 
+class _Clock:
+    """`time` as `restart.faults` sees it: sleeps are recorded, not slept (what a step is delayed by is what the
+    fault asks for; how long the machine then takes is not this test's business)."""
+
+    def __init__(self) -> None:
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
 def test_slow_fires_once_and_slows_every_step_after(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(faults, "_slow_s", 0.0)
+    clock = _Clock()
+    monkeypatch.setattr(faults, "time", clock)
     store = dist.HashStore()
     plan = [FaultSpec("slow", 1, 3)]
-    t0 = time.perf_counter()
     for step in (1, 2):
         faults.fire_faults(plan, 1, step, store, corrupt=lambda: None)
         faults.slow_delay()
-    assert time.perf_counter() - t0 < faults.SLOW_S / 2  # before its step: no delay
+    assert clock.slept == []  # before its step: no delay
     faults.fire_faults(plan, 0, 3, store, corrupt=lambda: None)  # another rank: nothing
     faults.slow_delay()
-    assert time.perf_counter() - t0 < faults.SLOW_S / 2 and not store.check([faults.injected_key(0)])
-    for step in (3, 4):
-        t0 = time.perf_counter()
+    assert clock.slept == [] and not store.check([faults.injected_key(0)])
+    for step in (3, 4):  # the same clock records the delay from its step on: the checks above could see one
         faults.fire_faults(plan, 1, step, store, corrupt=lambda: None)
         faults.slow_delay()
-        assert time.perf_counter() - t0 >= faults.SLOW_S
+    assert clock.slept == [faults.SLOW_S, faults.SLOW_S], clock.slept
     assert json.loads(store.get(faults.injected_key(0)))["kind"] == "slow"
 
 
@@ -147,28 +165,35 @@ os._exit(0)
 """
 
 
-def _exited_ranks(job: _Job, port: int, modes: tuple[str, ...]) -> None:
-    for rank, mode in enumerate(modes):
-        popen = subprocess.Popen([sys.executable, "-c", RANK, str(port), mode], env=child_env())
-        popen.wait(timeout=60)
+def _exited(port: int, *modes: str) -> list[subprocess.Popen[bytes]]:
+    """A process per mode, all started at once and all exited (each imports torch: alone, in turn, six took minutes
+    on a loaded 2-core machine; the test's timeout bounds the wait)."""
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(port), mode], env=child_env()) for mode in modes]
+    for popen in procs:
+        popen.wait()
+    return procs
+
+
+def _with_ranks(job: _Job, procs: list[subprocess.Popen[bytes]]) -> _Job:
+    for rank, popen in enumerate(procs):
         job.ranks[rank] = _Proc(popen, None, None)
         job.pids[rank] = [job.ranks[rank]]
+    return job
 
 
 def test_an_exit_0_before_finished_key_is_a_failure_unless_the_job_is_tier_1(tmp_path: Path) -> None:
     store, port = host_store("127.0.0.1", 30)
+    procs = _exited(port, "checkpointless,finished", "checkpointless", "checkpointless,finished", "checkpointless",
+                    "", "")
     # A job whose processes recover in process (our worker, or a script whose processes said so).
-    job = _Job(Config(), tmp_path, store, port, worker_module="")
-    _exited_ranks(job, port, ("checkpointless,finished", "checkpointless"))
+    job = _with_ranks(_Job(Config(), tmp_path, store, port, worker_module=""), procs[0:2])
     codes = job.exit_codes()
     assert codes == {0: 0, 1: 0}
     assert [job.left_early(r, c) for r, c in codes.items()] == [False, True]
-    script = _Job(Config(), tmp_path, store, port, worker_module="", command=["train.py"])
-    _exited_ranks(script, port, ("checkpointless,finished", "checkpointless"))
+    script = _with_ranks(_Job(Config(), tmp_path, store, port, worker_module="", command=["train.py"]), procs[2:4])
     assert [script.left_early(r, c) for r, c in script.exit_codes().items()] == [False, True]
     # Tier 1: a script with no CheckpointlessStrategy says nothing; its exit 0 is a success, as before.
-    tier1 = _Job(Config(), tmp_path, store, port, worker_module="", command=["train.py"])
-    _exited_ranks(tier1, port, ("", ""))
+    tier1 = _with_ranks(_Job(Config(), tmp_path, store, port, worker_module="", command=["train.py"]), procs[4:6])
     assert [tier1.left_early(r, c) for r, c in tier1.exit_codes().items()] == [False, False]
     assert tier1.tick() is True
 

@@ -25,27 +25,31 @@ def _rank(ctx: RankContext) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore("reduce/", ctx.store), rank=ctx.rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=30))
     strategy = object.__new__(CheckpointlessMegatronStrategy)  # `reduce` reads nothing of the instance
-    barriers: list[int] = []
     barrier = dist.barrier
+    barriers: dict[str, int] = {"ours": 0, "lightning": 0}
 
-    def counting_barrier(*args: Any, **kwargs: Any) -> Any:
-        barriers.append(1)
-        return barrier(*args, **kwargs)
+    def counted(who: str, reduce: Any, *args: Any, **kwargs: Any) -> Any:
+        """`reduce(...)` with torch.distributed.barrier counted under `who`."""
+        def counting_barrier(*b_args: Any, **b_kwargs: Any) -> Any:
+            barriers[who] += 1
+            return barrier(*b_args, **b_kwargs)
+
+        dist.barrier = counting_barrier  # type: ignore[assignment]
+        try:
+            return reduce(*args, **kwargs)
+        finally:
+            dist.barrier = barrier
 
     out: dict[str, Any] = {}
     for op in [*OPS, dist.ReduceOp.SUM]:
         for dtype in (torch.float32, torch.int64):
             values = torch.tensor([1.5 + ctx.rank, -2.0 * ctx.rank, 7.0]).to(dtype)
             ours, theirs = values.clone(), values.clone()
-            dist.barrier = counting_barrier  # type: ignore[assignment]
-            try:
-                got = strategy.reduce(ours, reduce_op=op)
-            finally:
-                dist.barrier = barrier
-            expected = _sync_ddp(theirs, reduce_op=op if op is not None else "sum")
+            got = counted("ours", strategy.reduce, ours, reduce_op=op)
+            expected = counted("lightning", _sync_ddp, theirs, reduce_op=op if op is not None else "sum")
             out[f"{op}/{dtype}"] = [got.tolist(), expected.tolist(), got is ours, got.dtype == expected.dtype]
     out["not_a_tensor"] = strategy.reduce(3.0, reduce_op="sum")
-    out["barriers"] = len(barriers)
+    out["barriers"] = barriers
     ctx.emit("out", out)
 
 
@@ -54,7 +58,10 @@ def _rank(ctx: RankContext) -> None:
 def test_reduce_equals_lightnings_without_its_barrier() -> None:
     outs = emitted_by_ranks("test_nemo_reduce:_rank", WORLD, timeout_s=180)
     for r, out in outs.items():
-        assert out.pop("barriers") == 0 and out.pop("not_a_tensor") == 3.0, (r, out)
+        barriers = out.pop("barriers")
+        assert out.pop("not_a_tensor") == 3.0, (r, out)
+        # The same count saw Lightning's barrier in each of its reduces: it would have seen one of ours.
+        assert barriers == {"ours": 0, "lightning": len(out)}, (r, barriers)
         for case, (got, expected, in_place, same_dtype) in out.items():
             assert got == expected and in_place and same_dtype, (r, case, got, expected)
         assert out["mean/torch.float32"][0] == [2.5, -2.0, 7.0], out  # (1.5 + 2.5 + 3.5) / 3, ...

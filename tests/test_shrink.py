@@ -122,16 +122,19 @@ def test_shrink_then_grow_trains_the_same_samples_and_grows_back_deterministical
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S)
 def test_a_shrunk_world_grows_back_before_it_ends(tmp_path: Path) -> None:
-    # Shrunk at step 5 of 8: the spare started for rank 1 is still importing when the last step is done. The job
-    # does not end shrunk: it grows back after step 8, and every rank, the parked rank 0 too (the rank that saves
-    # the model in most scripts), leaves `fit` with the final state and runs the rest of the script.
+    # Shrunk at step 5 of 8, and still shrunk when the last step is done. The job does not end shrunk: it grows
+    # back after step 8, and every rank, the parked rank 0 too (the rank that saves the model in most scripts),
+    # leaves `fit` with the final state and runs the rest of the script. The plan's `grow` at step 9 (never
+    # reached) keeps the launcher from growing back when the spare is ready, however soon that is: without it, a
+    # spare ready before step 8 grew the job back mid-run and the end was never tested.
     steps = 8
-    summary = _run(tmp_path / "end", "--shrink", "--fault", "kill:1:5",
+    summary = _run(tmp_path / "end", "--shrink", "--fault", "kill:1:5", "--fault", f"grow:2:{steps + 1}",
                    script_args=("--max-steps", str(steps), "--step-sleep", "0.05"))
     brief = json.dumps(summary["recoveries"], indent=1)
     assert [r["kind"] for r in summary["reshapes"]] == ["shrink", "grow"], brief
     grow = summary["recoveries"][1]
     assert grow["failed_ranks"] == [0, 1] and grow["path"] == "p2p", brief
+    assert grow["resumed_from_step"] == steps, brief  # grown back after the last step, not before
     assert grow["replacement"]["0"] == "parked survivor", brief
     assert summary["final_step"] == steps
     assert [len(summary["pids"][str(r)]) for r in range(4)] == [1, 2, 1, 1], summary["pids"]
@@ -160,19 +163,28 @@ def test_a_fault_while_shrunk_grows_back_at_once_and_falls_back_when_no_replica_
     assert summary["final_step"] == STEPS
 
 
+@pytest.mark.timeout(2 * TIMEOUT_S)
 def test_shrink_refused_for_a_loader_it_cannot_serve(tmp_path: Path) -> None:
-    def error(*args: str, script_args: tuple[str, ...] = ("--max-steps", "4")) -> tuple[int, str]:
-        proc = subprocess.run([sys.executable, "-m", "nemo_checkpointless.cli.run", *args, str(SCRIPT),
-                               *script_args], env=child_env(), cwd=ROOT, capture_output=True, timeout=TIMEOUT_S,
-                              check=False)
-        return proc.returncode, (proc.stdout + proc.stderr).decode(errors="replace")
+    cases = {
+        "one_instance": (["--nproc-per-node", "4", "--shrink", "--num-instances", "1"], ["--max-steps", "4"]),
+        "timeout": (["--nproc-per-node", "4", "--shrink", "--replacement-timeout", "-1"], ["--max-steps", "4"]),
+        "mmap": (["--nproc-per-node", "2", "--shrink", "--run-dir", str(tmp_path / "mmap")],
+                 ["--max-steps", "4", "--devices", "2", "--datamodule", "--mmap"]),
+    }
+    # All three at once: each only starts up, and one after the other they took more than 300 s on a loaded
+    # 2-core machine (at once: 280 s there, the last one's two ranks importing Lightning).
+    procs = {name: subprocess.Popen([sys.executable, "-m", "nemo_checkpointless.cli.run", *args, str(SCRIPT),
+                                     *script_args], env=child_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT)
+             for name, (args, script_args) in cases.items()}
+    done = {name: (p.communicate(timeout=TIMEOUT_S)[0].decode(errors="replace"), p.returncode)
+            for name, p in procs.items()}
 
-    code, out = error("--nproc-per-node", "4", "--shrink", "--num-instances", "1")
+    out, code = done["one_instance"]
     assert code == 2 and "--shrink=True: needs --num-instances >= 2" in out, out
-    code, out = error("--nproc-per-node", "4", "--shrink", "--replacement-timeout", "-1")
+    out, code = done["timeout"]
     assert code == 2 and "--replacement-timeout=-1.0: must be >= 0 seconds" in out, out
     # The shared-memory cache serves each rank its own batches only: refused before any rank trains.
-    code, out = error("--nproc-per-node", "2", "--shrink", "--run-dir", str(tmp_path / "mmap"),
-                      script_args=("--max-steps", "4", "--devices", "2", "--datamodule", "--mmap"))
+    out, code = done["mmap"]
     assert code != 0 and "replication.shrink (checkpointless-run --shrink)=True" in out, out
     assert "MmapDataModule" in out, out
