@@ -58,13 +58,17 @@ def _nice(pid: int) -> list[int]:
 @pytest.mark.skipif(not may_restore_priority(), reason="this user may not lower a nice value again (not root, "
                     "RLIMIT_NICE < 20): the launcher then starts refilled spares at normal priority")
 def test_a_refilled_spare_runs_niced_until_it_takes_a_rank(tmp_path: Path) -> None:
-    # A real process with threads of its own (torch's), started as the launcher starts a refill, then given back
-    # its priority as the launcher does when the spare takes a rank.
-    code = "import torch, threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
-    popen, out = start_process([sys.executable, "-c", code], dict(os.environ), tmp_path / "spare.log", REFILL_NICE)
+    # A real process with threads of its own (torch's, and one it starts), started as the launcher starts a refill,
+    # then given back its priority as the launcher does when the spare takes a rank.
+    code = ("import torch, threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+            "print('ready', flush=True); time.sleep(60)")
+    log = tmp_path / "spare.log"
+    popen, out = start_process([sys.executable, "-c", code], dict(os.environ), log, REFILL_NICE)
     try:
-        time.sleep(1.0)  # torch imported, the thread started
-        assert _nice(popen.pid) and set(_nice(popen.pid)) == {REFILL_NICE}, _nice(popen.pid)
+        while "ready" not in log.read_text():  # torch imported, the thread started (pytest's timeout bounds it)
+            assert popen.poll() is None, log.read_text()
+            time.sleep(0.05)
+        assert len(_nice(popen.pid)) >= 2 and set(_nice(popen.pid)) == {REFILL_NICE}, _nice(popen.pid)
         restore_priority(popen.pid)
         assert set(_nice(popen.pid)) == {0}, _nice(popen.pid)
     finally:

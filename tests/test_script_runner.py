@@ -157,8 +157,8 @@ def test_a_process_killed_before_it_is_forked_is_killed_once_forked(tmp_path: Pa
     assert driver.returncode == 0, driver.stderr.decode(errors="replace")[-3000:]
     result = json.loads(driver.stdout.decode().strip().splitlines()[-1])
     assert result["unknown_at_kill"], result
-    # wait() waited for the fork and the kill (not the sleeper's 120 s), and nothing of it is left running.
+    # wait() waited for the fork and the kill, and nothing of it is left running: -9, the kill's status (a sleeper
+    # that slept out its 120 s would have exited 0), however long the template took to import before it forked.
     assert result["code"] == -9 and result["pid"] > 0 and not result["alive"], result
-    assert result["waited"] < 100, result
     # The template forks on: a later process runs and exits as it should.
     assert result["after"] == 7, result

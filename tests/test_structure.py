@@ -3,6 +3,7 @@ and `restart/` do not import each other; `state/` imports neither."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -48,8 +49,36 @@ def test_layers_do_not_import_each_other(package: str, forbidden: set[str]) -> N
     assert package in loaded and not loaded & forbidden, (package, sorted(loaded))
 
 
-def test_public_surface_loads_lazily() -> None:
-    import nemo_checkpointless
+LAZY = """
+import json, sys
+HEAVY = ("torch", "lightning", "pytorch_lightning", "nemo", "megatron")
+def loaded():
+    return sorted(m for m in sys.modules if m.split(".")[0] in HEAVY or m.startswith("nemo_checkpointless."))
+import nemo_checkpointless
+out = {"on_import": loaded(), "all": nemo_checkpointless.__all__}
+out["dp"] = nemo_checkpointless.ParallelDims(world_size=4, num_instances=2).dp
+out["after_dims"] = loaded()
+out["strategy"] = nemo_checkpointless.CheckpointlessStrategy.__module__
+out["lightning_after_strategy"] = "lightning" in sys.modules
+try:
+    nemo_checkpointless.NoSuchName
+except AttributeError as e:
+    out["missing"] = str(e)
+print(json.dumps(out))
+"""
 
-    assert "CheckpointlessStrategy" in nemo_checkpointless.__all__
-    assert nemo_checkpointless.ParallelDims(world_size=4, num_instances=2).dp == 4
+
+def test_public_surface_loads_lazily() -> None:
+    """In a fresh interpreter (this one has imported everything already): importing the package loads none of its
+    subpackages, nor torch, Lightning or NeMo; a public name loads its own module when first touched, and only what
+    that module needs (ParallelDims: no Lightning); a Lightning name then loads Lightning."""
+    proc = subprocess.run([sys.executable, "-c", LAZY], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["on_import"] == [], out
+    assert "CheckpointlessStrategy" in out["all"] and out["dp"] == 4, out
+    heavy = [m for m in out["after_dims"] if not m.startswith("nemo_checkpointless.") and m.split(".")[0] != "torch"]
+    assert "nemo_checkpointless.topology" in out["after_dims"] and heavy == [], out["after_dims"]
+    assert not any(m.startswith("nemo_checkpointless.lightning") for m in out["after_dims"]), out["after_dims"]
+    assert out["strategy"] == "nemo_checkpointless.lightning.strategy" and out["lightning_after_strategy"], out
+    assert out["missing"] == "module 'nemo_checkpointless' has no attribute 'NoSuchName'", out
