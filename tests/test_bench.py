@@ -85,7 +85,16 @@ def test_quick_bench_runs_every_system_and_writes_every_figure(tmp_path: Path) -
     # torchft: whether the healthy groups trained a step without the lost one (its data then never trained) depends
     # on how fast torchrun brings the group back against their gloo timeout; both are reported, not asserted.
     assert s["torchft"]["steps_skipped"] is not None and s["torchft"]["equal_to_fault_free"] is not None, s
-    assert s["ours"]["downtime_s"] < s["job_restart"]["downtime_s"], s
+    # Why ours is back sooner than a whole-job restart (how much sooner is the benchmark's figure, in bench.md, not
+    # this test's): its survivors kept their processes and a spare started before the fault took rank 1's place
+    # with its state p2p; the job restart started every process again.
+    [faulted] = [r for r in results["runs"]["ours"] if r["faulted"]]
+    [rec] = faulted["recoveries"]
+    assert rec["path"] == "p2p" and rec["replacement"]["1"] in ("warm spare", "starting spare"), rec
+    pids = json.loads((Path(faulted["run_dir"]) / "summary.json").read_text())["pids"]
+    assert [len(pids[str(r)]) for r in range(4)] == [1, 2, 1, 1], pids
+    [restart] = [r for r in results["runs"]["job_restart"] if r["faulted"]]
+    assert "processes_started" in restart["marks"], restart["marks"]
     table = (tmp_path / "bench.md").read_text()
     assert "| ours |" in table and "`rto_ratio_vs_nvrx`" in table
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

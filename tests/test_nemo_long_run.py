@@ -32,10 +32,13 @@ WINDOW = (14, 2)  # a window ends 2 steps before a fault (or the end) and spans 
 NEMO = ["recipe=tiny_llama_nemo", "launcher.preload=[nemo_shim]", "model.dropout=0.1", f"trainer.max_steps={STEPS}",
         "launcher.collective_timeout_s=8", "checkpoint.every_n_steps=0", "trainer.progress_bar=false",
         "replication.spares=1", "launcher.max_restarts=3"]
-# Tolerances, stated: threads and descriptors exactly as after the first recovery; CPU per step within 30 %;
-# resident memory within 96 MB of what it was after the first recovery (measured: +57 MB over the two later
-# recoveries; the allocator keeps pages a recovery frees. The leak this guards against shows in threads first).
-CPU_PER_STEP_FACTOR = 1.3
+# Tolerances, stated: threads and descriptors exactly as after the first recovery; CPU per step within 2x (measured
+# with two other suites running: 10-12.5 ticks a step in each window, so 30 % was the machine's load between the
+# windows; a forgotten group's transport thread that spins takes most of a core, 2.6 s per 3 s (`restart.groups`),
+# several times a step's CPU here); resident memory within 96 MB of what it was after the first recovery (measured:
+# +57 MB over the two later recoveries; the allocator keeps pages a recovery frees. The leak this guards against
+# shows in threads first).
+CPU_PER_STEP_FACTOR = 2.0
 RSS_SLACK_KB = 96 * 1024
 
 
