@@ -66,7 +66,26 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ.pop("OMP_NUM_THREADS", None)
 
 
+def _mark_full_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks `full` the tests tests/tiers.py names; where whole modules were collected (directories or files named,
+    no single tests), an entry that names no test of a collected module is an error."""
+    from tiers import FULL_ONLY
+
+    modules = {item.path.name for item in items}
+    used: set[str] = set()
+    for item in items:
+        name = item.nodeid.split("::", 1)[1].split("[", 1)[0] if "::" in item.nodeid else ""
+        for key in (item.path.name, f"{item.path.name}::{name}"):
+            if key in FULL_ONLY:
+                item.add_marker(pytest.mark.full)
+                used.add(key)
+    stale = sorted(k for k in FULL_ONLY if k.split("::", 1)[0] in modules and k not in used)
+    if stale and not any("::" in arg for arg in config.args):
+        raise pytest.UsageError(f"tests/tiers.py names tests that do not exist: {stale}")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _mark_full_tier(config, items)
     _cap_timeouts(config, items)
     if any(item.get_closest_marker("gpu") for item in items) and not torch.cuda.is_available():
         skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
