@@ -144,6 +144,16 @@ def read(run_dir: Path) -> dict[int, list[Line]]:
             for rank, per_pid in sorted(files.items())}
 
 
+def completed_step(run_dir: Path, world_size: int = 4) -> int:
+    """The step every rank of a running job has completed, from their logs (0 before each has logged one, or when a
+    line is read half-written: ask again)."""
+    try:
+        logs = read(run_dir)
+    except (ValueError, AssertionError):
+        return 0
+    return min(lines[-1].step for lines in logs.values()) if len(logs) == world_size else 0
+
+
 def expected_steps(steps: int, replays: Iterable[tuple[int, int]] = ()) -> list[int]:
     """The steps a rank completes, in order, in a job of `steps` steps that falls back, for each `(fault step,
     checkpoint step)` of `replays`, to the checkpoint: the steps after the checkpoint before the fault run again.

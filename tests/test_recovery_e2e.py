@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import steplog
 from harness import child_env
+
+from nemo_checkpointless.launcher.procs import rank_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -35,17 +40,31 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("recovery")
 
 
-def run_job(workdir: Path, name: str, *overrides: str) -> dict[str, Any]:
-    run_dir = workdir / name
+def start_job(workdir: Path, name: str, *overrides: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "nemo_checkpointless.cli.train", *COMMON, f"data.cache_dir={workdir / 'data'}",
-           f"run.dir={run_dir}", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=child_env(tests_on_path=True))
+           f"run.dir={workdir / name}", *overrides]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=child_env(tests_on_path=True))
+
+
+def finish_job(proc: subprocess.Popen[str], workdir: Path, name: str) -> dict[str, Any]:
+    run_dir = workdir / name
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
     logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
                      for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:] + logs
+    assert proc.returncode == 0, out[-2000:] + err[-4000:] + logs
     summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_step"] == STEPS
     return summary
+
+
+def run_job(workdir: Path, name: str, *overrides: str) -> dict[str, Any]:
+    return finish_job(start_job(workdir, name, *overrides), workdir, name)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +110,38 @@ def test_kill_every_rank_in_turn_recovers_p2p_from_a_replica(workdir: Path, refe
         assert rec["steps_lost"] == 0 and rec["bytes_received"] > 0, rec
         # Found, then restored, then trained: every rank stamped its first step after the recovery.
         assert rec["detect_s"] <= rec["state_restored_s"] <= rec["recover_s"], rec
+
+
+def test_a_rank_killed_from_outside_at_a_random_moment_ends_equal(workdir: Path, reference: dict[str, Any]) -> None:
+    """One rank SIGKILLed from outside at a random moment of training, as an operator or the kernel would: no fault
+    plan, nothing in the job knows it is coming. The rank, the step and the moment within the step come from a
+    seed the test prints (`NCL_TEST_SEED` replays one). Every step once per rank on the reference's batches, from
+    the ranks' own logs; the killed rank's first process is the one the test killed."""
+    seed = int(os.environ.get("NCL_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
+    rng = random.Random(seed)
+    victim, after_step, frac = rng.randrange(4), rng.randint(2, STEPS - 4), rng.random()
+    print(f"\nNCL_TEST_SEED={seed}: rank {victim} SIGKILLed {frac:.2f} of a step after every rank completed step "
+          f"{after_step}")
+    ref_logs = steplog.read(workdir / "reference")
+    step_s = (ref_logs[0][-1].t - ref_logs[0][1].t) / (STEPS - 2)  # the reference's steady step time
+    proc = start_job(workdir, "random-kill", "replication.num_instances=2", "replication.spares=1")
+    run_dir, pid = workdir / "random-kill", None
+    while proc.poll() is None and steplog.completed_step(run_dir) < after_step:
+        time.sleep(0.005)
+    if proc.poll() is None:
+        time.sleep(frac * step_s)
+        pid = rank_pids(run_dir).get(victim)
+        assert pid is not None, f"rank {victim} has no live process to kill"
+        os.kill(pid, signal.SIGKILL)
+    summary = finish_job(proc, workdir, "random-kill")
+    assert pid is not None, "the job ended before the kill"
+    assert_equal_to(reference, summary)
+    brief = json.dumps(summary["recoveries"], indent=1)
+    [rec] = summary["recoveries"]
+    assert rec["failed_ranks"] == [victim] and rec["exit_codes"] == {str(victim): -signal.SIGKILL}, brief
+    assert rec["path"] == "p2p", brief
+    logs = steplog.assert_steps(run_dir, STEPS, killed={victim: 1}, reference=workdir / "reference")
+    assert logs[victim][0].pid == pid and logs[victim][-1].pid != pid, brief
 
 
 def test_a_rank_lost_in_its_instances_all_gather_rolls_its_partner_forward(

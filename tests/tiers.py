@@ -4,7 +4,7 @@ covers and so waits for the full run (run before resolving an issue that touches
 
 The PR tier keeps every fast test and, of the multi-process ones, those that prove the guarantees: an external
 SIGKILL at a random moment compared bitwise with a fault-free run on each engine (the built-in Lightning job:
-test_random_kill.py; a user's Lightning script:
+test_recovery_e2e.py::test_a_rank_killed_from_outside_at_a_random_moment_ends_equal; a user's Lightning script:
 test_user_script.py::test_killed_at_start_up_at_a_boundary_and_mid_step_ends_equal; the NeMo engine:
 test_nemo_user_script.py::test_killed_at_a_random_moment_ends_equal_and_survivors_keep_their_pids), the checkpoint
 fallback, a hang found by the watchdog, an integrity repair, a whole node lost, and the bad-input messages.
@@ -19,8 +19,8 @@ from __future__ import annotations
 FULL_ONLY: dict[str, str] = {
     # ------------------------------------------------------------------------------- the built-in Lightning job
     "test_recovery_e2e.py::test_kill_every_rank_in_turn_recovers_p2p_from_a_replica":
-        "p2p from a replica after a kill: test_random_kill (any rank, any step, any moment); every rank killed in "
-        "turn with the spare refilled each time: test_long_run (full)",
+        "p2p from a replica after a kill: the random external kill of the same module (any rank, step and "
+        "moment); every rank killed in turn with the spare refilled each time: test_long_run (full)",
     "test_recovery_e2e.py::test_a_rank_lost_in_its_instances_all_gather_rolls_its_partner_forward":
         "the roll-forward path alone (target gather)",
     "test_recovery_e2e.py::test_a_transfer_that_fails_its_checksum_falls_back_to_checkpoint":
