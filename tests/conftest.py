@@ -74,8 +74,8 @@ def _mark_full_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
     modules = {item.path.name for item in items}
     used: set[str] = set()
     for item in items:
-        name = item.nodeid.split("::", 1)[1].split("[", 1)[0] if "::" in item.nodeid else ""
-        for key in (item.path.name, f"{item.path.name}::{name}"):
+        test = item.nodeid.split("::", 1)[1] if "::" in item.nodeid else ""
+        for key in (item.path.name, f"{item.path.name}::{test.split('[', 1)[0]}", f"{item.path.name}::{test}"):
             if key in FULL_ONLY:
                 item.add_marker(pytest.mark.full)
                 used.add(key)

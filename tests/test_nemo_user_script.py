@@ -157,7 +157,7 @@ def test_model_parallel_kill_recovers_p2p_and_ends_equal(layout: tuple[str, str]
     ("--plain-strategy", "nl.Trainer(strategy=...)=MegatronStrategy: CheckpointlessCallback needs the checkpointless "
                          "strategy"),
     ("--no-callback", "CheckpointlessMegatronStrategy needs CheckpointlessCallback"),
-])
+], ids=["plain-strategy", "no-callback"])
 def test_a_strategy_and_callback_that_do_not_pair_stop_before_training(flag: str, message: str,
                                                                        tmp_path: Path) -> None:
     proc = _launch(tmp_path / "bad", script_args=(flag,))

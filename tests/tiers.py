@@ -77,6 +77,9 @@ FULL_ONLY: dict[str, str] = {
                              "a random moment: test_nemo_user_script",
     "test_nemo_long_run.py": "95 steps, many recoveries: what each failed fit leaves",
     "test_nemo_user_script.py::test_model_parallel_kill_recovers_p2p_and_ends_equal": "TP=2 and PP=2 under a kill",
+    "test_nemo_user_script.py::test_a_strategy_and_callback_that_do_not_pair_stop_before_training[no-callback]":
+        "the strategy's own refusal of a trainer without its callback (nemo/strategy.py setup); the PR tier runs "
+        "the callback's refusal of a plain strategy, through the same launch and 'failed before training' path",
     "test_nemo_user_script.py::test_one_and_two_optimizer_instances_end_with_the_same_state": "N=1 against N=2",
     "test_recipe_script.py::test_a_recipe_runs_a_users_nemo_script_with_its_layout_and_recovers_a_kill":
         "a recipe's layout given to a NeMo script under a kill; the layout itself: "
