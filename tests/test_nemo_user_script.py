@@ -17,6 +17,10 @@
 - a strategy and a callback that do not pair (NeMo's own `MegatronStrategy` with our callback; our strategy without
   it) stop the job before training with one message.
 
+The script logs every step each of its processes completes (`--step-log`, read by tests/steplog.py): the faulted
+runs show from the ranks' own records that no step ran twice (but those a fallback repeats), that the ranks the test
+did not kill kept their process, and the fault-free run's batches.
+
 Ten launches (~15-60 s each on 2 cores). Skipped without the [nemo] extra.
 """
 
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import steplog
 from harness import child_env, finish_job, job_progress
 
 from nemo_checkpointless.launcher.procs import rank_pids
@@ -48,13 +53,23 @@ TIMEOUT_S = 400
 def _launch(run_dir: Path, *args: str, script_args: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "nemo_checkpointless.cli.run", "--nproc-per-node", "4", "--run-dir", str(run_dir),
            "--collective-timeout", "8", "--max-restarts", "2", *args, str(SCRIPT), "--max-steps", str(STEPS),
-           *script_args]
+           "--step-log", *script_args]
     return subprocess.Popen(cmd, env=child_env(tests_on_path=True), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
 
 
 def _finish(proc: subprocess.Popen[bytes], run_dir: Path) -> dict[str, Any]:
-    return finish_job(proc, run_dir, "nemo_rank{r}.json", TIMEOUT_S)
+    return {**finish_job(proc, run_dir, "nemo_rank{r}.json", TIMEOUT_S), "run_dir": run_dir}
+
+
+def _assert_ran(reference: dict[str, Any], summary: dict[str, Any], killed: dict[int, int],
+                replays: list[tuple[int, int]] | None = None) -> None:
+    """From the ranks' own step logs (`steplog.assert_steps`): every step once per rank (twice where `replays` says
+    a fallback repeats it), ranks not in `killed` in one process, the reference's batches; and the process that
+    wrote each rank's final record (its `os.getpid()`) is the one that logged the rank's last step."""
+    logs = steplog.assert_steps(summary["run_dir"], STEPS, killed=killed, replays=replays or [],
+                                reference=reference["run_dir"])
+    assert {r: logs[r][-1].pid for r in range(4)} == {r: summary["ranks"][r]["pid"] for r in range(4)}
 
 
 def _progress(run_dir: Path) -> int:
@@ -75,8 +90,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     run_dir = tmp_path_factory.mktemp("user_nemo") / "faultfree"
     # --params-digest (read-only: a hash of the parameters at the start and the end) for the N=1 against N=2 test
     summary = _finish(_launch(run_dir, script_args=("--params-digest",)), run_dir)
-    summary["run_dir"] = run_dir
     assert summary["final_step"] == STEPS and summary["recoveries"] == []
+    steplog.assert_steps(run_dir, STEPS)
     # DP=4, N=2: ranks r and r+2 hold the same shard (main params + optimizer state), bitwise; the two shards differ.
     shards = [summary["ranks"][r]["shard_sha256"] for r in range(4)]
     assert shards[0] == shards[2] != shards[1] == shards[3], shards
@@ -111,6 +126,7 @@ def test_killed_at_a_random_moment_ends_equal_and_survivors_keep_their_pids(refe
         if r != victim:
             assert summary["ranks"][r]["pid"] == before[r], f"rank {r} was restarted: {record}"
     assert summary["ranks"][victim]["pid"] != before[victim]
+    _assert_ran(reference, summary, killed={victim: 1})  # through the cache, the bare module's batches
     assert summary["ranks"][victim]["data_cache"]["hits"] > 0, summary["ranks"][victim]
 
 
@@ -128,6 +144,7 @@ def test_model_parallel_kill_recovers_p2p_and_ends_equal(layout: tuple[str, str]
     _assert_equal(reference, summary)  # through the cache, equal to the bare module's fault-free run
     (record,) = summary["recoveries"]
     assert record["path"] == "p2p" and record["resumed_from_step"] == 5 and record["steps_lost"] == 0, record
+    _assert_ran(reference, summary, killed={1: 1})
     # Tier 2 with model parallelism: rank 1's batch group is {0, 1} under TP=2 (rank 0 writes, rank 1 reads), {1, 3}
     # under PP=2 (rank 1 writes: its replacement adopts what it left). The replacement's first micro-batch is in
     # shared memory; the loader counts micro-batch steps (one micro-batch per DP rank: 8 / (2 x 2) per step).
@@ -148,6 +165,7 @@ def test_model_parallel_kill_recovers_p2p_and_ends_equal(layout: tuple[str, str]
     (record,) = summary["recoveries"]
     assert record["failed_ranks"] == [1, 3] and record["path"] == "checkpoint", record
     assert record["resumed_from_step"] == 4 and record["steps_lost"] == 1 and "both replicas" in record["reason"]
+    _assert_ran(reference, summary, killed={1: 1, 3: 1}, replays=[(6, 4)])  # step 5 twice, on every rank
     assert sorted(p.name for p in (run_dir / "checkpoints" / "step_00000004").iterdir()) == [
         "shard_0.json", "shard_0.safetensors", "shard_1.json", "shard_1.safetensors"]
 
@@ -174,8 +192,7 @@ def test_one_and_two_optimizer_instances_end_with_the_same_state(reference: dict
     whole data-parallel group and a locally computed norm, whatever N), and the parameters moved from init. The
     N=2 run is the module's reference (the script's default N)."""
     run_dir = tmp_path / "n1"
-    runs = {1: {**_finish(_launch(run_dir, script_args=("--instances", "1", "--params-digest")), run_dir),
-                "run_dir": run_dir}, 2: reference}
+    runs = {1: _finish(_launch(run_dir, script_args=("--instances", "1", "--params-digest")), run_dir), 2: reference}
     for n, summary in runs.items():
         run_dir = summary["run_dir"]
         assert summary["final_step"] == STEPS and summary["recoveries"] == []

@@ -6,7 +6,8 @@ Run by the tests with `checkpointless-run --nproc-per-node 4 --spares 1 tests/sc
 
 The one line a user would not write: on a machine without a GPU the test suite's CPU shim (`tests/nemo_shim.py`)
 is installed before NeMo is imported. Every rank writes RUN_DIR/progress_rank<r>.txt (its step; the tests time
-their kills by it); the callback writes the digests the tests compare with a fault-free run.
+their kills by it); the callback writes the digests the tests compare with a fault-free run. With `--step-log` every
+process also logs each optimizer step it completes (`StepLog`: the format tests/steplog.py reads).
 """
 
 from __future__ import annotations
@@ -59,6 +60,24 @@ class Progress(pl.Callback):
         with open(path + ".tmp", "w") as f:
             f.write(str(trainer.global_step))
         os.replace(path + ".tmp", path)
+
+
+class StepLog(pl.Callback):
+    """After every optimizer step this process completes, one JSON line appended to
+    RUN_DIR/steps_rank<r>.<pid>.jsonl (closed at once: a killed rank's lines survive it): rank, pid, step, a digest
+    of the step's last micro-batch (`llm.train` fetches them inside the step) and a monotonic time."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object,
+                           batch: dict[str, Any], batch_idx: int) -> None:
+        h = hashlib.sha256()
+        for key, value in sorted(batch.items()):
+            if isinstance(value, torch.Tensor):
+                h.update(key.encode() + value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        rank, pid = trainer.global_rank, os.getpid()
+        line = {"rank": rank, "pid": pid, "step": trainer.global_step, "batch": h.hexdigest()[:16],
+                "t": time.monotonic()}
+        with open(os.path.join(os.environ.get("NCL_RUN_DIR", "."), f"steps_rank{rank}.{pid}.jsonl"), "a") as f:
+            f.write(json.dumps(line) + "\n")
 
 
 class ParamsDigest(pl.Callback):
@@ -129,6 +148,7 @@ def main() -> None:
     parser.add_argument("--params-digest", action="store_true", help="write the params' sha256 at start and end")
     parser.add_argument("--ab-reduction", action="store_true", help="timing: alternate megatron's reduction and ours")
     parser.add_argument("--no-callback", action="store_true", help="bad input: our strategy without our callback")
+    parser.add_argument("--step-log", action="store_true", help="log every completed step (StepLog)")
     args = parser.parse_args()
     cpu = not torch.cuda.is_available()
     options = {}
@@ -165,6 +185,7 @@ def main() -> None:
     callbacks = [Progress()] if args.no_callback else [CheckpointlessCallback(), Progress()]
     callbacks += [ParamsDigest()] if args.params_digest else []
     callbacks += [AlternateReduction()] if args.ab_reduction else []
+    callbacks += [StepLog()] if args.step_log else []
     trainer = nl.Trainer(accelerator="cpu" if cpu else "gpu", devices=4, num_nodes=1, max_steps=args.max_steps,
                          strategy=strategy, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
