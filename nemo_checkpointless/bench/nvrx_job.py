@@ -6,7 +6,10 @@ healthy rank enters again after a fault; the state comes back from a `torch.save
 The bench starts WORLD_SIZE = ranks + 1 processes itself (the Wrapper is not compatible with torchrun, which stops
 every local worker when one fails): one of them is a reserve rank (`MaxActiveWorldSize(ranks)` after
 `ShiftRanks()`), which takes the place of a killed rank, as NVRx's hot spares do. Timeouts: the tightest that
-worked here (the gloo timeout bounds how long a survivor stays blocked in a collective: NVRx aborts only NCCL).
+worked here on an idle machine (the gloo timeout bounds how long a survivor stays blocked in a collective: NVRx
+aborts only NCCL), times --timeout-scale: the bench passes the machine's load per core when it is above 1, since a
+rank starved of CPU for longer than the heartbeat timeout is declared dead by NVRx and its restart then waits on the
+survivors' gloo timeout, round after round (ours adapts its hang deadline to the steps it measures instead).
 """
 
 # No `from __future__ import annotations`: the Wrapper finds the argument to pass its CallWrapper in by the
@@ -27,7 +30,7 @@ from nemo_checkpointless.bench.job import JobSpec, StepLog, build_model, lm_loss
 GLOO_TIMEOUT_S = 3.0
 
 
-def train(spec: JobSpec, run_dir: str, ranks: int,
+def train(spec: JobSpec, run_dir: str, ranks: int, timeout_scale: float,
           call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:  # noqa: UP045 (see above)
     assert call_wrapper is not None
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -37,7 +40,7 @@ def train(spec: JobSpec, run_dir: str, ranks: int,
     store = dist.TCPStore(os.environ["MASTER_ADDR"], port, world_size=world, is_master=rank == 0,
                           multi_tenant=True, wait_for_workers=True, use_libuv=True)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S * timeout_scale))
     model = build_model(spec)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=False)
@@ -85,20 +88,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--ranks", type=int, default=4, help="active ranks (the processes are one more)")
+    parser.add_argument("--timeout-scale", type=float, default=1.0,
+                        help="multiplies the gloo, heartbeat, soft and hard timeouts (>= 1)")
     JobSpec().add_arguments(parser)
     args = parser.parse_args()
     spec = JobSpec.from_args(args)
-    s = datetime.timedelta
+    k = max(1.0, args.timeout_scale)
+
+    def s(seconds: float) -> datetime.timedelta:
+        return datetime.timedelta(seconds=seconds)
+
     wrapper = inprocess.Wrapper(
         store_kwargs={"port": int(os.environ["MASTER_PORT"]) + 1},
         rank_assignment=inprocess.Compose(inprocess.rank_assignment.MaxActiveWorldSize(args.ranks),
                                           inprocess.rank_assignment.ShiftRanks()),
-        monitor_thread_interval=s(seconds=0.1), monitor_process_interval=s(seconds=0.1),
-        heartbeat_interval=s(seconds=0.2), progress_watchdog_interval=s(seconds=0.1),
-        soft_timeout=s(seconds=5), hard_timeout=s(seconds=8), heartbeat_timeout=s(seconds=2),
-        barrier_timeout=s(seconds=30), completion_timeout=s(seconds=30), last_call_wait=s(seconds=0.2),
-        termination_grace_time=s(seconds=1))
-    wrapper(train)(spec, args.run_dir, args.ranks)
+        monitor_thread_interval=s(0.1), monitor_process_interval=s(0.1),
+        heartbeat_interval=s(0.2), progress_watchdog_interval=s(0.1),
+        soft_timeout=s(5 * k), hard_timeout=s(8 * k), heartbeat_timeout=s(2 * k),
+        barrier_timeout=s(30), completion_timeout=s(30), last_call_wait=s(0.2),
+        termination_grace_time=s(1))
+    wrapper(train)(spec, args.run_dir, args.ranks, k)
 
 
 if __name__ == "__main__":

@@ -114,7 +114,13 @@ def _env(run_dir: Path) -> dict[str, str]:
     return env
 
 
-def _commands(name: str, run_dir: Path, spec: JobSpec, ranks: int) -> tuple[list[list[str]], list[dict[str, str]]]:
+def load_per_core() -> float:
+    """The machine's 1-minute load average per core, at least 1: what the NVRx job's fixed timeouts are scaled by."""
+    return round(max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)), 2)
+
+
+def _commands(name: str, run_dir: Path, spec: JobSpec, ranks: int,
+              timeout_scale: float = 1.0) -> tuple[list[list[str]], list[dict[str, str]]]:
     """The processes a run of `name` starts (launchers; nvrx: its ranks), with their environments."""
     py, env = sys.executable, _env(run_dir)
     job = ["--run-dir", str(run_dir), *spec.as_args()]
@@ -137,7 +143,8 @@ def _commands(name: str, run_dir: Path, spec: JobSpec, ranks: int) -> tuple[list
         envs = [{**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                  "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
                 for r in range(world)]
-        cmd = [py, "-m", "nemo_checkpointless.bench.nvrx_job", "--ranks", str(ranks), *job]
+        cmd = [py, "-m", "nemo_checkpointless.bench.nvrx_job", "--ranks", str(ranks),
+               "--timeout-scale", str(timeout_scale), *job]
         return [cmd] * world, envs
     if name == "torchft":
         lighthouse = free_port()
@@ -160,7 +167,8 @@ def launch(name: str, run_dir: Path, spec: JobSpec, ranks: int, kill_step: int |
     """One run of `name`; `kill_step`: SIGKILL rank 1 there (None: fault-free). Returns `measure`'s record."""
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh directory: no checkpoint of an earlier run
     run_dir.mkdir(parents=True)
-    cmds, envs = _commands(name, run_dir, spec, ranks)
+    scale = load_per_core() if name == "nvrx" else 1.0
+    cmds, envs = _commands(name, run_dir, spec, ranks, scale)
     logs = [open(run_dir / f"launcher{i}.log", "wb") for i in range(len(cmds))]  # noqa: SIM115 (closed below)
     t_start = time.time()
     procs = [subprocess.Popen(c, env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -187,6 +195,8 @@ def launch(name: str, run_dir: Path, spec: JobSpec, ranks: int, kill_step: int |
         killer.join(timeout=1)
     record = measure(name, run_dir, spec, ranks, t_start, t_end, killer.info if killer is not None else None)
     record["faulted"] = kill_step is not None
+    if name == "nvrx":
+        record["timeout_scale"] = scale  # NVRx's timeouts, x the machine's load per core (nvrx_job)
     killed = killer.info["pid"] if killer is not None and killer.info else None
     codes = [p.returncode for p in waited if p.pid != killed]  # nvrx: the killed rank is a process started here
     if hung:
