@@ -627,6 +627,23 @@ class NodeAgent:
         self.codes[uid] = [popen.pid, None]
 
     # -------------------------------------------------------------- the loop
+    def seen_the_end(self) -> None:
+        """The job has ended (`DONE_KEY`): this agent stops beating and says it has seen the end. With
+        `--rdzv-backend c10d` the store lives in node 0's agent and goes when it exits: node 0 waits until every
+        node not lost has said so (at most max(10 s, 4 leases)), so that no agent is still reading the store when
+        it goes and ends a finished job with "lost the job's store"."""
+        self.stop.set()
+        me, total = self.spec.node_rank, self.spec.total_nodes
+        self.store.set(node_key(me, "ended"), "1")
+        if self.spec.backend != "c10d" or me != 0:
+            return
+        deadline = time.monotonic() + max(10.0, 4 * self.spec.lease_s)
+        waiting = [n for n in range(total) if n != me]
+        while waiting and time.monotonic() < deadline:
+            waiting = [n for n in waiting if not self.store.check([node_key(n, "ended")])
+                       and not self.store.check([node_key(n, "lost")])]
+            time.sleep(POLL_S)
+
     def leader(self) -> int:
         return int(self.store.get(LEADER_KEY)) if self.store.check([LEADER_KEY]) else 0
 
@@ -645,6 +662,7 @@ class NodeAgent:
                 self.serve()
                 if self.store.check([DONE_KEY]):
                     done = json.loads(self.store.get(DONE_KEY))
+                    self.seen_the_end()
                     if done["code"]:
                         raise LaunchError(done["message"], exit_code=done["code"])
                     break
