@@ -190,7 +190,8 @@ def _blocks(lines: list[Line]) -> list[tuple[int, list[Line]]]:
 
 def assert_steps(run_dir: Path, steps: int, *, world_size: int = 4, killed: Mapping[int, int] | None = None,
                  replays: Iterable[tuple[int, int]] = (), not_completed: Mapping[int, Collection[int]] | None = None,
-                 reference: Path | None = None) -> dict[int, list[Line]]:
+                 reference: Path | None = None, final_pids: Mapping[int, int] | None = None
+                 ) -> dict[int, list[Line]]:
     """What the ranks' own step logs in `run_dir` must show; returns them.
 
     (a) Rank r completed `expected_steps(steps, replays)` in that order, less the steps of `not_completed[r]` (a
@@ -198,7 +199,9 @@ def assert_steps(run_dir: Path, steps: int, *, world_size: int = 4, killed: Mapp
     in `killed` logged from one process throughout; rank r killed `killed[r]` times after it had trained logged
     from `killed[r] + 1` processes, one after the other (each pid one block of consecutive lines, the blocks in
     time order, no pid twice). (c) With `reference` (a fault-free run's directory, also logged): rank r's batch at
-    each step is the one the reference trained rank r on at that step."""
+    each step is the one the reference trained rank r on at that step. (d) With `final_pids` (rank -> the pid that
+    wrote its final record, e.g. the `os.getpid()` in a script's own end-of-training file): that process logged the
+    rank's last step."""
     killed, not_completed = killed or {}, not_completed or {}
     replays = list(replays)
     logs = read(run_dir)
@@ -230,4 +233,7 @@ def assert_steps(run_dir: Path, steps: int, *, world_size: int = 4, killed: Mapp
             ref_batches = {x.step: x.batch for x in ref[rank]}
             wrong = [x.step for x in lines if x.batch != ref_batches.get(x.step)]
             assert not wrong, f"rank {rank}: the batches of steps {_ranges(wrong)} are not the reference's [{story}]"
+        if final_pids is not None:
+            assert lines[-1].pid == final_pids[rank], (f"rank {rank}: pid {final_pids[rank]} wrote its final record, "
+                                                       f"pid {lines[-1].pid} logged its last step [{story}]")
     return logs
