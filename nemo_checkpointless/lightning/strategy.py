@@ -837,6 +837,9 @@ class CheckpointlessStrategy(ParallelStrategy):
         self.session.stamps.track(self.membership.generation)
         if self.integrity is not None:  # the replicas are compared once the first step after it is done
             self.integrity.pending = decision.step + 1
+        # Nobody checks at the decision's boundary any more: the survivors that met the loss in that check left it,
+        # the replacement enters after it, and a rank rolled forward (`finish_step`) reaches it only now.
+        self._entered_at = decision.step
         try:
             self._verify_restore(decision.step, decision.sources, "p2p")
         except PeerFailure as again:  # a fault while verifying: one more recovery (verified in its turn)
