@@ -321,6 +321,22 @@ def test_a_full_cache_filesystem_is_reported_once_and_read_directly(tmp_path: Pa
     assert not [p for p in os.listdir(cache.dir) if ".tmp." in p]  # the partial write was removed
 
 
+def test_a_write_in_flight_is_never_taken_for_a_dead_writers_leftover(tmp_path: Path) -> None:
+    """`steps_on_disk` removes the temporaries of writers that died mid-write, never one a live process is writing:
+    the prefetch thread's own (CI found a reader of `steps_on_disk` in the writer's process removing the batch the
+    thread was about to commit: its write failed and prefetching stopped) or another live process's."""
+    cache = BatchCache(tmp_path, "job7", VERSION, group=0)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    names = {"live": f"{0:012d}.bin.tmp.{os.getpid()}.0a1b2c3d", "parent": f"{0:012d}.json.tmp.{os.getppid()}.00",
+             "dead": f"{1:012d}.bin.tmp.{dead.pid}.0a1b2c3d", "no_pid": f"{2:012d}.bin.tmp.x.0a"}
+    for name in names.values():
+        (cache.dir / name).write_bytes(b"partial")
+    assert cache.steps_on_disk() == []
+    left = sorted(p for p in os.listdir(cache.dir) if ".tmp." in p)
+    assert left == sorted([names["live"], names["parent"]]), left
+
+
 @pytest.fixture
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     mnt = tmp_path / "shm"

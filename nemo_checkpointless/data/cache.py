@@ -158,6 +158,21 @@ def fingerprint(batch: Batch) -> str:
     return h.hexdigest()
 
 
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process that is writing the temporary `tmp_name` (`<file>.tmp.<pid>.<hex>`, `BatchCache.write`)
+    still lives; a name without a pid counts as dead."""
+    pid = tmp_name.rsplit(".tmp.", 1)[1].split(".", 1)[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 def write_chunks(path: str, chunks: Sequence[memoryview]) -> None:
     """Write a new private file (0600, O_EXCL: a planted file or symlink is never followed). The default write hook
     of `BatchCache`; tests point it at a full filesystem or make it raise."""
@@ -359,15 +374,17 @@ class BatchCache:
         return digest
 
     def steps_on_disk(self) -> list[int]:
-        """Steps with a committed index (sorted); also removes temporaries a dead writer left (writer only)."""
+        """Steps with a committed index (sorted); also removes temporaries a dead writer left (the pid in their name
+        is not a live process: a live writer's, this process's prefetch thread's among them, are in flight)."""
         if not self.enabled:
             return []
         steps = []
         with contextlib.suppress(OSError):
             for name in os.listdir(self.dir):
                 if ".tmp." in name:
-                    with contextlib.suppress(OSError):
-                        os.unlink(self.dir / name)
+                    if not _writer_alive(name):
+                        with contextlib.suppress(OSError):
+                            os.unlink(self.dir / name)
                 elif name.endswith(".json") and name[:-5].isdigit():
                     steps.append(int(name[:-5]))
         return sorted(steps)
