@@ -2,10 +2,12 @@
 bit flipped in one rank's optimizer shard, in memory, by nobody's error. Real processes, a user's own Lightning
 script, compared with the fault-free run:
 
-- N=3 on 6 ranks: the flipped copy (and the parameters its instance gathered from it) is outvoted, repaired p2p
-  from the majority at the next check, and the run ends bitwise-equal;
+- N=3 on 6 ranks, default settings: the flipped copy's digest differs from its replicas' in the next step's gradient
+  all-reduce; it is outvoted and repaired p2p from the majority, the step runs again, and the run ends bitwise-equal;
 - N=2 on 4 ranks: two copies that differ cannot say which is right: the job rolls back to the newest checkpoint at
   or before the last verified step and ends bitwise-equal;
+- a flip in the parameters outside a rank's shard: repaired at the next periodic check, or by the vote on the final
+  state before the job hands it over;
 - a NaN in one rank's gradient (`nan`, once): attributed to that rank through the gradient all-reduce's side
   channel, the step run again, the run ends bitwise-equal; a batch that gives a NaN every time (`nan_batch`): named
   by its sample ids (checked against torch's own DistributedSampler), then skipped (`--nan-policy skip`: the data
@@ -79,15 +81,16 @@ def test_bad_integrity_settings_say_so() -> None:
     assert proc.returncode == 2 and "fault.plan[0].rank=7: must name a rank in 0..3" in out, out
 
 
-def _cmd(run_dir: Path, world: int, *args: str) -> list[str]:
+def _cmd(run_dir: Path, world: int, *args: str, every: int | None = 3) -> list[str]:
+    """`every`: --integrity-every (None: the default, 50, past the job's 18 steps)."""
     return [sys.executable, "-m", "nemo_checkpointless.cli.run", "--nproc-per-node", str(world), "--run-dir",
-            str(run_dir), "--collective-timeout", "8", "--integrity-every", "3", *args, str(SCRIPT), "--devices",
-            str(world), "--max-steps", "18", "--step-sleep", "0.02"]
+            str(run_dir), "--collective-timeout", "8", *(["--integrity-every", str(every)] if every else []), *args,
+            str(SCRIPT), "--devices", str(world), "--max-steps", "18", "--step-sleep", "0.02"]
 
 
-def _run(run_dir: Path, world: int, *args: str) -> dict[str, Any]:
-    proc = subprocess.Popen(_cmd(run_dir, world, *args), env=child_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+def _run(run_dir: Path, world: int, *args: str, every: int | None = 3) -> dict[str, Any]:
+    proc = subprocess.Popen(_cmd(run_dir, world, *args, every=every), env=child_env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     return finish_job(proc, run_dir, "user_rank{r}.json", TIMEOUT_S, world_size=world)
 
 
@@ -123,30 +126,39 @@ def test_a_flipped_bit_is_outvoted_with_three_instances_and_rolled_back_with_two
                                                                                  tmp_path: Path) -> None:
     reference = _run(tmp_path / "ref6", 6, "--num-instances", "3")
     integrity = reference["integrity"]
-    assert integrity["checks"] == 5 and integrity["records"] == [], integrity  # at steps 3, 6, ..., 15
-    # N=3: rank 4's AdamW state flipped as it starts step 9; the check after step 9 finds rank 4's shard and the
-    # parameters of its instance (ranks 4, 5: rank 5 gathered rank 4's slice) outvoted, and repairs both p2p.
-    flipped = _run(tmp_path / "n3", 6, "--num-instances", "3", "--fault", "bitflip:4:9")
+    # At steps 3, 6, ..., 15, and once more on the final state (step 18) before the job hands it over.
+    assert integrity["checks"] == 6 and integrity["records"] == [], integrity
+    # N=3, the default interval (50, past the job's end): rank 4's AdamW state flipped as it starts step 9. Its
+    # shard's digest, in step 9's gradient all-reduce, differs from its two replicas' before the update reads it: the
+    # step's gradients are dropped, the replicas vote on the state of boundary 8 (rank 4 outvoted, repaired p2p from
+    # rank 0), and every rank runs step 9 again. Caught by the defaults, it ends equal.
+    flipped = _run(tmp_path / "n3", 6, "--num-instances", "3", "--fault", "bitflip:4:9", every=None)
     _assert_equal(reference, flipped, 6)
     [record] = flipped["integrity"]["records"]
-    assert record["step"] == 9 and record["decision"] == "repair" and record["ranks"] == [4, 5], record
-    assert record["repaired_from"] == {"4": 0, "5": 1}, record
+    assert record["step"] == 8 and record["decision"] == "repair" and record["ranks"] == [4], record
+    assert record["repaired_from"] == {"4": 0}, record
+    assert flipped["integrity"]["every_n_steps"] == 50 and flipped["integrity"]["checks"] == 2, flipped["integrity"]
     assert flipped["recoveries"] == [], flipped["recoveries"]
     assert all(len(p) == 1 for p in flipped["pids"].values()), flipped["pids"]
-    # N=2: rank 1's copy and rank 3's differ, nobody can say which is right: back to the checkpoint of step 6 (the
-    # last verified one), trained again from there.
+    # N=2: rank 1's copy and rank 3's differ in step 8's digests, nobody can say which is right: back to the
+    # checkpoint of step 6 (the last verified one), trained again from there.
     rolled = _run(tmp_path / "n2", 4, "--checkpoint-every", "3", "--fault", "bitflip:1:8")
     _assert_equal(reference4, rolled, 4)
     [record] = rolled["integrity"]["records"]
-    assert record["step"] == 9 and record["decision"] == "rollback" and record["rolled_back_to"] == 6, record
+    assert record["step"] == 7 and record["decision"] == "rollback" and record["rolled_back_to"] == 6, record
     assert "no majority" in record["reason"], record
-    # A bit of rank 1's parameters (outside its own shard) flipped at rest, after step 9's all-gather: its copy is
-    # outvoted by the three others at the check of step 9, before any forward uses it, and repaired from rank 3.
-    param = _run(tmp_path / "param", 4, "--checkpoint-every", "3", "--fault", "bitflip:1:9:param")
+    # A bit of rank 1's parameters (outside its own shard: no digest of its covers it) flipped at rest, after step
+    # 9's all-gather: outvoted by the three others at the check of step 9, before any forward uses it, and repaired
+    # from rank 3. The same on rank 2 after the last step's all-gather: the vote on the final state repairs it from
+    # rank 0 before the job hands the state over.
+    param = _run(tmp_path / "param", 4, "--checkpoint-every", "3", "--fault", "bitflip:1:9:param", "--fault",
+                 "bitflip:2:18:param")
     _assert_equal(reference4, param, 4)
-    [record] = param["integrity"]["records"]
-    assert (record["step"], record["decision"], record["ranks"]) == (9, "repair", [1]), record
-    assert record["repaired_from"] == {"1": 3}, record
+    first, last = param["integrity"]["records"]
+    assert (first["step"], first["decision"], first["ranks"]) == (9, "repair", [1]), first
+    assert first["repaired_from"] == {"1": 3}, first
+    assert (last["step"], last["decision"], last["ranks"]) == (18, "repair", [2]), last
+    assert last["repaired_from"] == {"2": 0}, last
 
 
 def test_non_finite_state_is_never_a_majority() -> None:

@@ -51,7 +51,7 @@ from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
 from nemo_checkpointless.restart.worker_env import die_by_signal, freeze_heap
 from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
 from nemo_checkpointless.state.rng import capture_rng, restore_rng
-from nemo_checkpointless.topology import ParallelDims, rank_info
+from nemo_checkpointless.topology import ParallelDims, rank_info, replica_groups
 from nemo_checkpointless.topology.shrink import served_ranks
 
 STATE_VERSION = 1
@@ -517,8 +517,9 @@ class CheckpointlessStrategy(ParallelStrategy):
     @property
     def _side_numel(self) -> int:
         """The side channel of the gradient all-reduce: each rank's batch hash (32 slots a rank), a shrunk world's
-        "grow back" flag, each rank's own gradient norm (the NaN guard)."""
-        return self.world_size * 33 + 1
+        "grow back" flag, each rank's own gradient norm (the NaN guard), each rank's replica digest (4 slots a rank,
+        a byte each: exact in any float type)."""
+        return self.world_size * 37 + 1
 
     def keep_own_state(self) -> None:
         """Keep this rank's step-boundary state in memory across a re-entry of `fit` (a reshaped world)."""
@@ -689,25 +690,70 @@ class CheckpointlessStrategy(ParallelStrategy):
         return True
 
     def _check_integrity(self, step: int, checkpoint_due: bool = False) -> None:
-        """The cross-replica check when due (`restart.integrity`; not in a shrunk world, whose dropped copies are
-        not there to compare), and before every persistent checkpoint (so each one written is verified: a rollback
-        goes to it). A repair loads the majority's state here, so the RNG is taken again after it."""
+        """The cross-replica check when due (`restart.integrity`), and before every persistent checkpoint (so each
+        one written is verified: a rollback goes to it). A repair loads the majority's state here, so the RNG is
+        taken again after it."""
         check = self.integrity
-        if (check is None or self.membership.active is not None or self.world_size < 2
-                or not ((checkpoint_due and check.every_n_steps) or check.due(step))):
+        if not self._votes or check is None or not ((checkpoint_due and check.every_n_steps) or check.due(step)):
             return
-        assert self.sharded is not None
-        held = sum(g.flat.numel() * 4 for g in self.sharded.groups) + sum(
-            t.numel() * t.element_size() for t in self.sharded.shard_state().values())
         try:
-            action = check.run(self, step, held)
+            self._vote(step)
         except PeerFailure as failure:
             self._recover(failure)  # a p2p recovery here; the check runs again at the next boundary
             return
-        if action == "repair" and self._rng_to_restore is not None:
+        if self._rng_to_restore is not None:  # repaired: the RNG of the boundary is the majority's
+            self._boundary = self._rng_to_restore
             restore_rng(*self._rng_to_restore)
             self._rng_to_restore = None
-            self._boundary = capture_rng()
+
+    @property
+    def _votes(self) -> bool:
+        """Whether the replicas can be compared: the check is configured, the world is whole (a shrunk world's
+        dropped copies are not there to compare) and has more than one rank."""
+        return self.integrity is not None and self.membership.active is None and self.world_size >= 2
+
+    def _vote(self, step: int) -> str:
+        """The replicas' vote on the state of boundary `step` (`IntegrityCheck.run`): "ok" or "repair" (this
+        rank's state then came from a majority rank, its RNG waiting in `_rng_to_restore`); raises
+        `RestartFromCheckpoint` on a rollback, `PeerFailure` if a peer fails meanwhile."""
+        assert self.sharded is not None and self.integrity is not None
+        held = sum(g.flat.numel() * g.flat.element_size() for g in self.sharded.groups) + sum(
+            t.numel() * t.element_size() for t in self.sharded.shard_state().values())
+        return self.integrity.run(self, step, held)
+
+    @property
+    def _digests_every_step(self) -> bool:
+        """The per-step replica digest (`replica_digest`, in the gradient all-reduce's side channel) is on where the
+        vote is and there is a replica to compare with (N >= 2)."""
+        return bool(self._votes and self.integrity is not None and self.integrity.every_n_steps
+                    and self.num_instances >= 2)
+
+    def _replicas_differ(self, summed: torch.Tensor, ranks: Any) -> bool:
+        """Whether, in the side channel's digest slots (`summed`: 4 a rank), the copies of a shard differ."""
+        assert self.integrity is not None
+        values = summed.to(torch.int64).view(-1, 4).tolist()
+        digest = {r: bytes(values[r]) for r in ranks}
+        return any(len({digest[r] for r in group}) > 1 for group in replica_groups(self.integrity.dims))
+
+    def replica_digest(self) -> int:
+        """32 bits that every copy of this rank's optimizer shard (its parameter slice and its optimizer state)
+        shares: the sum of the shard's 32-bit words (16-bit for 2-byte types, bytes for 1-byte ones), mod 2^32.
+        One pass over 1/DP of the parameters and their state, on the device, no copy: any single flipped bit changes
+        it. Compared within each replica group every step, it catches corruption of the shard before the step's
+        update reads it (params gathered from instance-mates, outside the shard, are the periodic vote's)."""
+        assert self.sharded is not None
+        sums = []
+        for t in self.sharded.shard_state().values():
+            flat = t.detach().reshape(-1)
+            size = flat.element_size()
+            if size >= 4 and flat.numel() * size % 4 == 0:
+                words = flat.view(torch.int32)
+            elif size == 2:
+                words = flat.view(torch.int16)
+            else:
+                words = flat.view(torch.uint8)
+            sums.append(words.sum(dtype=torch.int64))
+        return int(torch.stack([x.to(sums[0].device) for x in sums]).sum()) & 0xFFFFFFFF  # one host sync
 
     def integrity_summary(self) -> dict[str, Any] | None:
         """`summary.json["integrity"]`: the checks (`IntegrityCheck.summary`, whose records include the NaN
@@ -882,8 +928,10 @@ class CheckpointlessStrategy(ParallelStrategy):
         if self.membership.active is not None and (
                 step in self._grow_at or self.membership.store.check([protocol.GROW_KEY])):
             side[hashes] = 1.0  # a shrunk world: this rank asks to grow back after this step
+        compare = True  # the replicas' digests this step (off once a vote found equal states: never loop on it)
         replay = False
         while True:
+            digests = compare and self._digests_every_step  # a recovery may have shrunk the world meanwhile
             try:
                 if replay:
                     # The step made collectives of its own before its gradient all-reduce, or its gradients
@@ -897,10 +945,24 @@ class CheckpointlessStrategy(ParallelStrategy):
                         self._replaying = False
                     self._apply_poison(step)
                     replay = False
+                if digests:
+                    at = hashes + 1 + world + 4 * self.global_rank
+                    side[at:at + 4] = torch.tensor(list(self.replica_digest().to_bytes(4, "little")))
                 summed = self.sharded.reduce_gradients(side, local_norm_at=hashes + 1 + self.global_rank)
                 assert summed is not None and self.nan_guard is not None
-                norms = summed[hashes + 1:]
                 ranks = self.membership.world().ranks
+                if digests and self._replicas_differ(summed[hashes + 1 + world:], ranks):
+                    # A copy of an optimizer shard differs from its replicas before this step's update reads it:
+                    # the gradients are dropped, the replicas vote on the boundary's state (a repair, or a
+                    # rollback that leaves `fit`), and every rank runs the step again.
+                    self.sharded.discard(count_step=False)
+                    replay = True
+                    if self._vote(step - 1) == "ok":  # equal states cannot give unequal sums
+                        compare = False
+                    if self._rng_to_restore is not None:  # repaired: the boundary's RNG is the majority's
+                        self._boundary, self._rng_to_restore = self._rng_to_restore, None
+                    continue
+                norms = summed[hashes + 1:hashes + 1 + world]
                 verdict = self.nan_guard.judge(step, {r: float(norms[r]) for r in ranks}, self._step_samples)
                 if verdict == "rerun":
                     self.sharded.discard(count_step=False)
@@ -948,8 +1010,20 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._boundary = capture_rng()  # after the last step: the boundary a replacement would receive
         if self.membership.active is not None:
             raise _Regroup()  # every rank of the shrunk world is here after the same last step
+        assert self.sharded is not None
         while True:
             try:
+                # The replicas vote on the final state before any rank hands it over (the script's save, the
+                # digests), unless this fit entered at this boundary (a replacement here, or the survivors that
+                # recovered it: the restore was verified). A rollback leaves `fit` and trains again.
+                step = self.sharded.completed_steps
+                if (self._votes and self.integrity is not None and self.integrity.every_n_steps
+                        and step != self._entered_at):
+                    self._vote(step)
+                    self._entered_at = step  # voted: a recovery in the barrier below does not vote again
+                    if self._rng_to_restore is not None:  # repaired: the boundary's RNG is the majority's
+                        restore_rng(*self._rng_to_restore)
+                        self._boundary, self._rng_to_restore = self._rng_to_restore, None
                 self.membership.world().all_reduce(torch.zeros(1))
                 return
             except PeerFailure as failure:
