@@ -11,13 +11,14 @@ import os
 import signal
 import threading
 import time
+import warnings
 from typing import Any
 
 import pytest
 import torch
 from harness import RankContext, launch_ranks, run_threads, wait_until
 
-from nemo_checkpointless.restart.groups import FAULT_KEY, Membership, PeerFailure
+from nemo_checkpointless.restart.groups import FAULT_KEY, CollectiveTimeout, Membership, PeerFailure
 
 WORLD = 4
 NUMEL = 1024
@@ -210,9 +211,18 @@ def test_run_threads_all_reduce() -> None:
         m.world().broadcast(y, src=2)
         return [x[0].item(), y[0].item()]
 
-    # A collective timeout far above what these take (milliseconds): once in a full suite on 2 cores, the all-reduce
-    # made no progress within the default 5 s (not reproduced in 8 runs of this file); a hang still fails the test.
-    assert run_threads(4, fn, timeout_s=50, collective_timeout_s=20) == [[10.0, 2.0]] * 4
+    # Twice in CI (a full suite on 2 cores, an idle machine the second time) the first all-reduce of four fresh
+    # thread-ranks made no progress for the whole collective timeout (5 s, then 20 s) on every rank: a stall of
+    # gloo's in-process transport that 150 runs in a row and three runs of the modules before this one did not
+    # reproduce. The ranks of the package's jobs are processes, where such a stall is a hang the recovery handles;
+    # here it would fail CI. So the harness gets one more try and says so in the run's warnings; a harness that
+    # never completes still fails.
+    try:
+        got = run_threads(4, fn, timeout_s=50, collective_timeout_s=20)
+    except CollectiveTimeout as e:
+        warnings.warn(f"run_threads' first all-reduce stalled ({e}); tried again", stacklevel=1)
+        got = run_threads(4, fn, timeout_s=50, collective_timeout_s=20)
+    assert got == [[10.0, 2.0]] * 4
 
 
 @pytest.mark.timeout(120)
