@@ -138,6 +138,7 @@ def test_a_flipped_bit_is_outvoted_with_three_instances_and_rolled_back_with_two
     assert record["step"] == 8 and record["decision"] == "repair" and record["ranks"] == [4], record
     assert record["repaired_from"] == {"4": 0}, record
     assert flipped["integrity"]["every_n_steps"] == 50 and flipped["integrity"]["checks"] == 2, flipped["integrity"]
+    assert flipped["integrity"]["step_digest_s"] > 0, flipped["integrity"]  # rank 0 took its digest every step
     assert flipped["recoveries"] == [], flipped["recoveries"]
     assert all(len(p) == 1 for p in flipped["pids"].values()), flipped["pids"]
     # N=2: rank 1's copy and rank 3's differ in step 8's digests, nobody can say which is right: back to the

@@ -277,6 +277,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._writer_instance = 0
         self._integrity_every_arg = integrity_every_n_steps
         self.integrity: IntegrityCheck | None = None  # the cross-replica check (built with the session)
+        self._step_digest_s = 0.0  # time this rank spent on its per-step replica digests (`replica_digest`)
         self._nan_policy_arg = nan_policy
         self.nan_guard: NanGuard | None = None  # non-finite gradients (built with the session)
         self._poison: dict[int, bool] = {}  # fault plan kinds nan / nan_batch: step -> persistent
@@ -539,6 +540,12 @@ class CheckpointlessStrategy(ParallelStrategy):
         if (trainer is None or not trainer.training or not isinstance(dataloader, DataLoader)
                 or isinstance(dataloader.batch_sampler, RankBatchSampler)):
             return dataloader  # not the train loader, or one that starts at the data position itself
+        from nemo_checkpointless.lightning.data import MmapDataModule
+
+        datamodule = getattr(trainer, "datamodule", None)  # the user's data module, if any
+        if isinstance(datamodule, MmapDataModule):  # served through the cache, with its prefetch and lookback
+            self.cache_batches = True
+            self.cache_prefetch, self.cache_lookback = datamodule.prefetch, datamodule.lookback
         if isinstance(dataloader.dataset, IterableDataset):
             raise ConfigError("train_dataloader", type(dataloader.dataset).__name__,
                               "is an IterableDataset: a recovered rank must start at an exact sample without "
@@ -762,6 +769,7 @@ class CheckpointlessStrategy(ParallelStrategy):
             return None
         out = self.integrity.summary()
         out["nan_guard_s"] = round(self.sharded.local_norm_s, 4) if self.sharded is not None else None
+        out["step_digest_s"] = round(self._step_digest_s, 4)  # the per-step replica digests, this rank, all steps
         return out
 
     def integrity_digests(self) -> tuple[int, int, bool]:
@@ -946,8 +954,9 @@ class CheckpointlessStrategy(ParallelStrategy):
                     self._apply_poison(step)
                     replay = False
                 if digests:
-                    at = hashes + 1 + world + 4 * self.global_rank
+                    at, t0 = hashes + 1 + world + 4 * self.global_rank, time.perf_counter()
                     side[at:at + 4] = torch.tensor(list(self.replica_digest().to_bytes(4, "little")))
+                    self._step_digest_s += time.perf_counter() - t0
                 summed = self.sharded.reduce_gradients(side, local_norm_at=hashes + 1 + self.global_rank)
                 assert summed is not None and self.nan_guard is not None
                 ranks = self.membership.world().ranks
