@@ -1,8 +1,11 @@
 """The structure rules: the engine below `lightning/` and `nemo/` never imports Lightning or NeMo; `replication/`
-and `restart/` do not import each other; `state/` imports neither."""
+and `restart/` do not import each other; `state/` imports neither; no two modules of the package import each other,
+directly or around a loop (what runs: imports at module level and inside functions; a name imported for the type
+checker only, under `if TYPE_CHECKING:`, runs nothing)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -47,6 +50,66 @@ def test_layers_do_not_import_each_other(package: str, forbidden: set[str]) -> N
     assert modules, package
     loaded = _imported_packages(modules)
     assert package in loaded and not loaded & forbidden, (package, sorted(loaded))
+
+
+PACKAGE = Path(__file__).resolve().parents[1] / "nemo_checkpointless"
+
+
+def _module_name(path: Path) -> str:
+    parts = ["nemo_checkpointless", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules that `path` imports when it runs (not under `if TYPE_CHECKING:`); a package's
+    `__init__` counts only where it is imported itself (`from pkg import name` loads `pkg`, or `pkg.name`)."""
+    me = _module_name(path)
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the importing module's package
+                pkg = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
+                base = ".".join(pkg[:len(pkg) - node.level + 1] + ([base] if base else []))
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                out.add(full if full in modules else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in out if m in modules and m != me}
+
+
+def test_no_module_imports_itself_around_a_loop() -> None:
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {m: _runtime_imports(p, set(paths)) for m, p in paths.items()}
+    assert graph["nemo_checkpointless.lightning.strategy"], "the walk found no import: it reads nothing"
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def walk(m: str, trail: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if n.rsplit(".", 1)[0] == m or m.rsplit(".", 1)[0] == n:
+                continue  # a package and its own module (`__init__` handing a name on)
+            if state.get(n) == 1:
+                cycles.append([*trail[trail.index(n):], n])
+            elif n not in state:
+                walk(n, [*trail, n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            walk(m, [m])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 
 LAZY = """

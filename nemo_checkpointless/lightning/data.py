@@ -158,12 +158,8 @@ class MmapDataModule(pl.LightningDataModule):
         self.datamodule.teardown(stage)
 
     def train_dataloader(self) -> Any:
-        from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy
-
-        strategy = self.trainer.strategy if self.trainer is not None else None
-        if isinstance(strategy, CheckpointlessStrategy):
-            strategy.cache_batches = True
-            strategy.cache_prefetch, strategy.cache_lookback = self.prefetch, self.lookback
+        # `CheckpointlessStrategy.process_dataloader` sees this module on the trainer and serves the loader from
+        # the cache, with this module's prefetch and lookback.
         return self.datamodule.train_dataloader()
 
     def val_dataloader(self) -> Any:

@@ -86,7 +86,7 @@ class CheckpointlessCallback(pl.Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._strategy(trainer)
+        self._strategy(trainer).callback_paired = True  # the strategy's own setup, next, refuses to run without
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

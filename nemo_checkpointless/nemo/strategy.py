@@ -134,6 +134,9 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.pg_store: Any = None
         self.resume: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
         self.resume_step = 0
+        # Set by `CheckpointlessCallback.setup`, which Lightning calls before this strategy's `setup`: the pair is
+        # complete (the callback knows the strategy's type; the strategy knows only that it was called).
+        self.callback_paired = False
         self.groups_s = 0.0  # how long the last `setup_distributed` took (default group + megatron's groups)
         self.reentry: dict[str, float] = {}  # times of the phases of the last re-entry into `fit`
         self.fault_watch: FaultWatch | None = None  # this generation's, set by the launcher (`nemo.restart`)
@@ -307,9 +310,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        from nemo_checkpointless.nemo.callback import CheckpointlessCallback
-
-        if self.under_launcher and not any(isinstance(c, CheckpointlessCallback) for c in trainer.callbacks):
+        if self.under_launcher and not self.callback_paired:
             raise ConfigError("nl.Trainer(callbacks=...)", [type(c).__name__ for c in trainer.callbacks],
                               "CheckpointlessMegatronStrategy needs CheckpointlessCallback (the per-step record of "
                               "what each rank trained on, the recovery records, the run summary)",
