@@ -155,7 +155,7 @@ def script_launch(cfg: Config) -> list[str]:
 
 def script_environment(cfg: Config, command: list[str]) -> dict[str, str]:
     """The package's variables (`protocol`, NCL_*) rank 0 of the job gets, computed by the launcher's own
-    `torchrun_env` (the code that sets them); the store's address, known at launch, left out."""
+    `settings_env` and `torchrun_env` (the code that sets them); the store's address, known at launch, left out."""
     from typing import Any, cast
 
     from nemo_checkpointless.launcher.local import _Job
@@ -163,7 +163,7 @@ def script_environment(cfg: Config, command: list[str]) -> dict[str, str]:
 
     run_dir = Path(cfg.run.dir).absolute()
     job = _Job(cfg, run_dir, store=cast(Any, None), port=0, worker_module="", command=command)
-    env = {k: v for k, v in job.torchrun_env(0).items() if k.startswith(ENV_PREFIX)}
+    env = {k: v for k, v in {**job.settings_env(), **job.torchrun_env(0)}.items() if k.startswith(ENV_PREFIX)}
     return dict(sorted({**env, RUN_DIR_ENV: str(run_dir)}.items()))
 
 

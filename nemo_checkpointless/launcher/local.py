@@ -251,36 +251,44 @@ class _Job:
     def _env(self, rank: int) -> dict[str, str]:
         world = self.cfg.trainer.world_size
         env = WorkerEnv(rank, world, rank, self.cfg.launcher.host, self.port, str(self.run_dir)).to_environ()
-        env[protocol.INTEGRITY_EVERY_ENV] = str(self.cfg.integrity.every_n_steps)
-        env[protocol.INTEGRITY_FENCE_ENV] = str(self.cfg.integrity.fence_after)
-        env[protocol.NAN_POLICY_ENV] = self.cfg.integrity.nan_policy
-        if self.cfg.replication.shrink:
-            env[protocol.SHRINK_ENV] = "1"
-            env[protocol.REPLACEMENT_TIMEOUT_ENV] = str(self.cfg.replication.replacement_timeout_s)
+        env.update(self.settings_env())
         if self.command is not None:
             env.update(self.torchrun_env(rank))
         return env
 
+    def settings_env(self) -> dict[str, str]:
+        """The job's settings every process of it reads from its environment (`restart.session`, the strategies),
+        whatever started it: the package's own workers and a user's command, a rank and a spare, on one node or
+        several. The config defines, defaults and validates each (`config`); this is the one way it travels."""
+        cfg = self.cfg
+        env = {protocol.COLLECTIVE_TIMEOUT_ENV: str(cfg.launcher.collective_timeout_s),
+               protocol.START_TIMEOUT_ENV: str(cfg.launcher.start_timeout_s),
+               protocol.CHECKPOINT_EVERY_ENV: str(cfg.checkpoint.every_n_steps),
+               # Always: a strategy built without num_instances takes this (1 too: `checkpointless-run
+               # --num-instances 1` was once dropped, and the strategy's default of 2 trained instead).
+               protocol.NUM_INSTANCES_ENV: str(cfg.replication.num_instances),
+               protocol.INTEGRITY_EVERY_ENV: str(cfg.integrity.every_n_steps),
+               protocol.INTEGRITY_FENCE_ENV: str(cfg.integrity.fence_after),
+               protocol.NAN_POLICY_ENV: cfg.integrity.nan_policy}
+        if cfg.checkpoint.dir:
+            env[protocol.CHECKPOINT_DIR_ENV] = cfg.checkpoint.dir
+        if cfg.data.cache_root:
+            env[protocol.CACHE_ROOT_ENV] = cfg.data.cache_root
+        if cfg.replication.shrink:
+            env[protocol.SHRINK_ENV] = "1"
+            env[protocol.REPLACEMENT_TIMEOUT_ENV] = str(cfg.replication.replacement_timeout_s)
+        return env
+
     def torchrun_env(self, rank: int) -> dict[str, str]:
-        """What torchrun sets for a worker (one node), plus the job's settings for `CheckpointlessStrategy`. The
-        store is the launcher's: `TORCHELASTIC_USE_AGENT_STORE` makes `init_process_group` a client of it on
-        every rank (rank 0 does not host one)."""
+        """What torchrun sets for a worker (one node), plus what only a user's command reads (a recipe's layout,
+        the fault plan). The store is the launcher's: `TORCHELASTIC_USE_AGENT_STORE` makes `init_process_group` a
+        client of it on every rank (rank 0 does not host one)."""
         world, launcher = self.cfg.trainer.world_size, self.cfg.launcher
         env = {"LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
                "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": launcher.host,
                "MASTER_PORT": str(self.rdzv_store[1] if self.rdzv_store else self.port),
                "TORCHELASTIC_RUN_ID": self.run_id, "TORCHELASTIC_RESTART_COUNT": str(self.generation),
-               "TORCHELASTIC_MAX_RESTARTS": str(launcher.max_restarts), "TORCHELASTIC_USE_AGENT_STORE": "True",
-               protocol.COLLECTIVE_TIMEOUT_ENV: str(launcher.collective_timeout_s),
-               protocol.START_TIMEOUT_ENV: str(launcher.start_timeout_s),
-               protocol.CHECKPOINT_EVERY_ENV: str(self.cfg.checkpoint.every_n_steps)}
-        if self.cfg.checkpoint.dir:
-            env[protocol.CHECKPOINT_DIR_ENV] = self.cfg.checkpoint.dir
-        if self.cfg.data.cache_root:
-            env[protocol.CACHE_ROOT_ENV] = self.cfg.data.cache_root
-        # Always: a strategy built without num_instances takes this (1 too: `checkpointless-run --num-instances 1`
-        # was once dropped here, and the strategy's default of 2 trained instead).
-        env[protocol.NUM_INSTANCES_ENV] = str(self.cfg.replication.num_instances)
+               "TORCHELASTIC_MAX_RESTARTS": str(launcher.max_restarts), "TORCHELASTIC_USE_AGENT_STORE": "True"}
         if self.cfg.script is not None:  # a recipe's script= run: the recipe's layout, for the user's strategy
             for name, key, _ in protocol.LAYOUT_ENV:
                 env[name] = str(getattr(self.cfg.parallel, key.split(".")[1]))

@@ -298,6 +298,7 @@ class ClusterJob(_Job):
         env = WorkerEnv(rank, self.cfg.trainer.world_size, rank % spec.nproc, spec.host, spec.port,
                         str(self.run_dir)).to_environ()
         env["LOCAL_WORLD_SIZE"] = str(spec.nproc)  # a spare's LOCAL_RANK, once it has a rank, comes from it
+        env.update(self.settings_env())
         if self.command is not None:
             env.update(self.torchrun_env(rank))
         return env

@@ -26,7 +26,6 @@ from typing import Any, NoReturn
 import torch
 
 from nemo_checkpointless.config import Config, load_run_config
-from nemo_checkpointless.protocol import START_TIMEOUT_ENV
 from nemo_checkpointless.restart.template import warm_up_again_on_this_thread, warm_up_at_idle_priority
 from nemo_checkpointless.restart.worker_env import ENV_PREFIX, SPARE_ID_ENV, freeze_heap, preload, run_worker
 
@@ -202,7 +201,6 @@ def run(prepared: tuple[Config, Any, bool] | None = None) -> None:
     environ = os.environ
     run_dir = Path(environ[f"{ENV_PREFIX}RUN_DIR"])
     cfg, tokens, warm = (*_prepare(run_dir), False) if prepared is None else prepared
-    environ[START_TIMEOUT_ENV] = str(cfg.launcher.start_timeout_s)
     if SPARE_ID_ENV in environ and warm:
         # Forked from the warm template: the warm-up once more, in this process, on the thread that will train. The
         # memory its allocator hands out is the template's pages until written, and a replacement's first step

@@ -101,7 +101,10 @@ class Session:
         host, port = environ[protocol.STORE_HOST_ENV], int(environ[protocol.STORE_PORT_ENV])
         run_dir = environ.get(protocol.RUN_DIR_ENV, os.getcwd())
         world = int(environ["WORLD_SIZE"])
-        start_timeout = env_number(protocol.START_TIMEOUT_ENV, 120.0)
+        if protocol.START_TIMEOUT_ENV not in environ:  # every launcher sets it beside the store's port
+            raise RuntimeError(f"{protocol.START_TIMEOUT_ENV} (launcher.start_timeout_s) is not set: this process "
+                               "was started by a launcher of another version of nemo_checkpointless")
+        start_timeout = env_number(protocol.START_TIMEOUT_ENV, 0.0)
         layout = dims(world)  # before waiting as a spare: a bad layout fails every process at once
         store = connect_store(host, port, start_timeout)
         join = JoinSpec()
