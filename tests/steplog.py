@@ -188,6 +188,29 @@ def _blocks(lines: list[Line]) -> list[tuple[int, list[Line]]]:
     return blocks
 
 
+def received_steps(run_dir: Path, recoveries: Iterable[Mapping[str, Any]]) -> dict[int, list[int]]:
+    """The steps a replacement received done: a rank killed in a step's parameter all-gather (after the step's
+    gradient all-reduce) leaves its replica with that step complete, and its replacement starts from it. Read from
+    the logs: the steps between one process's last line and the next process's first; each gap must be one step,
+    the one a p2p recovery of that rank resumed from (`summary.json["recoveries"][i]["resumed_from_step"]`), so a
+    step skipped for any other reason still fails `assert_steps`. A kill at an unlucky moment of a test that kills
+    from outside lands there (the random-kill tests); pass the result as `not_completed`."""
+    out: dict[int, list[int]] = {}
+    recoveries = list(recoveries)
+    for rank, lines in read(run_dir).items():
+        blocks = _blocks(lines)
+        for (_, before), (_, after) in itertools.pairwise(blocks):
+            gap = list(range(before[-1].step + 1, after[0].step))
+            if not gap:
+                continue
+            resumed = [r["resumed_from_step"] for r in recoveries if rank in r["failed_ranks"] and r["path"] == "p2p"]
+            assert len(gap) == 1 and gap[0] in resumed, (
+                f"rank {rank}: no process of it completed steps {_ranges(gap)}, and no p2p recovery of it resumed "
+                f"from the last of them (recoveries resumed from {resumed})")
+            out.setdefault(rank, []).extend(gap)
+    return out
+
+
 def assert_steps(run_dir: Path, steps: int, *, world_size: int = 4, killed: Mapping[int, int] | None = None,
                  replays: Iterable[tuple[int, int]] = (), not_completed: Mapping[int, Collection[int]] | None = None,
                  reference: Path | None = None, final_pids: Mapping[int, int] | None = None

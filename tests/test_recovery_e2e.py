@@ -41,13 +41,17 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start_job(workdir: Path, name: str, *overrides: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "nemo_checkpointless.cli.train", *COMMON, f"data.cache_dir={workdir / 'data'}",
+    keys = {o.split("=", 1)[0] for o in overrides}  # an override of a COMMON key replaces it
+    common = [o for o in COMMON if o.split("=", 1)[0] not in keys]
+    cmd = [sys.executable, "-m", "nemo_checkpointless.cli.train", *common, f"data.cache_dir={workdir / 'data'}",
            f"run.dir={workdir / name}", *overrides]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=child_env(tests_on_path=True))
 
 
-def finish_job(proc: subprocess.Popen[str], workdir: Path, name: str) -> dict[str, Any]:
+def finish_job(proc: subprocess.Popen[str], workdir: Path, name: str,
+               output: list[str] | None = None) -> dict[str, Any]:
+    """The job's summary once it ended with exit 0; `output` gets the launcher's stdout and stderr."""
     run_dir = workdir / name
     try:
         out, err = proc.communicate(timeout=300)
@@ -55,6 +59,8 @@ def finish_job(proc: subprocess.Popen[str], workdir: Path, name: str) -> dict[st
         proc.kill()
         proc.communicate()
         raise
+    if output is not None:
+        output += [out, err]
     logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
                      for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
     assert proc.returncode == 0, out[-2000:] + err[-4000:] + logs
@@ -91,6 +97,31 @@ def assert_ranks_ran(workdir: Path, name: str, killed: dict[int, int], replays: 
     `replays` says a fallback repeats it), one process for each rank not in `killed`, the reference's batches."""
     steplog.assert_steps(workdir / name, STEPS, killed=killed, replays=replays or [], not_completed=not_completed,
                          reference=workdir / "reference")
+
+
+def test_a_spare_that_cannot_start_in_time_is_replaced_by_a_fresh_process(workdir: Path,
+                                                                         reference: dict[str, Any]) -> None:
+    """launcher.start_timeout_s (20 s here, above the 15 s collective timeout) is how long the survivors wait for a
+    replacement to arrive, and how long the launcher gives it: rank 1 is killed at step 10 and its hot spare hangs
+    before it is ready (`tests/stuck_spare.py`). The survivors wait 20 s (not the 120 s the package's own worker
+    once waited whatever the config said), the launcher kills the spare at 20 s and starts a fresh process for
+    rank 1, which receives its state p2p: no step lost, the run equal to the fault-free one."""
+    output: list[str] = []
+    proc = start_job(workdir, "stuck-spare", "replication.num_instances=2", "replication.spares=1",
+                     "launcher.start_timeout_s=20", "launcher.preload=[steplog,stuck_spare]",
+                     "fault.plan=[{kind:kill,rank:1,step:10}]")
+    summary = finish_job(proc, workdir, "stuck-spare", output)
+    assert_equal_to(reference, summary)
+    assert_ranks_ran(workdir, "stuck-spare", killed={1: 1})  # the stuck spare never trained a step
+    brief = json.dumps(summary["recoveries"], indent=1)
+    [rec] = summary["recoveries"]  # the kill and the spare's timeout: one recovery, two generations
+    assert rec["failed_ranks"] == [1] and rec["fault_kind"] == "kill+start_timeout", brief
+    assert rec["replacement"] == {"1": "cold start"} and rec["path"] == "p2p" and rec["steps_lost"] == 0, brief
+    launcher = "".join(output)
+    assert "rank 1's replacement did not start within launcher.start_timeout_s=20 s" in launcher, launcher[-3000:]
+    survivors = [(workdir / "stuck-spare" / "logs" / f"rank_{r}.0.log").read_text() for r in (2, 3)]
+    for log in [launcher, *survivors]:  # rank 0 logs to the launcher's output
+        assert "forming group world: not every member arrived within 20 s" in log, log[-3000:]
 
 
 def test_kill_every_rank_in_turn_recovers_p2p_from_a_replica(workdir: Path, reference: dict[str, Any]) -> None:

@@ -85,10 +85,12 @@ def _kill_when(run_dir: Path, rank: int, sig: int, at_step: int | None, done: li
 
 def _assert_ran(summary: dict[str, Any], steps: int, killed: dict[int, int] | None = None,
                 reference: dict[str, Any] | None = None) -> None:
-    """From the ranks' own step logs (`steplog.assert_steps`): steps 1..`steps` once each per rank, ranks not in
-    `killed` in one process, the batches of `reference`'s run; and the process that wrote each rank's final record
-    (its own `os.getpid()`) is the one that logged the rank's last step."""
-    logs = steplog.assert_steps(summary["run_dir"], steps, killed=killed,
+    """From the ranks' own step logs (`steplog.assert_steps`): steps 1..`steps` once each per rank (less the one a
+    replacement received done, when a kill from outside landed in a parameter all-gather), ranks not in `killed` in
+    one process, the batches of `reference`'s run; and the process that wrote each rank's final record (its own
+    `os.getpid()`) is the one that logged the rank's last step."""
+    received = steplog.received_steps(Path(summary["run_dir"]), summary["recoveries"])
+    logs = steplog.assert_steps(summary["run_dir"], steps, killed=killed, not_completed=received,
                                 reference=reference["run_dir"] if reference else None)
     assert {r: logs[r][-1].pid for r in range(4)} == {r: summary["ranks"][r]["pid"] for r in range(4)}
 

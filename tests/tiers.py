@@ -29,6 +29,9 @@ FULL_ONLY: dict[str, str] = {
         "the collective timeout as the backstop of the watchdog, which the PR tier runs on four hangs",
     "test_recovery_e2e.py::test_single_instance_falls_back_to_checkpoint_with_a_cold_replacement":
         "the fallback: test_both_replicas_lost...; a cold replacement: test_multi_node's node loss",
+    "test_recovery_e2e.py::test_a_spare_that_cannot_start_in_time_is_replaced_by_a_fresh_process":
+        "a spare that hangs before it is ready (a 20 s wait); that every process gets launcher.start_timeout_s and "
+        "a rank's session waits that long: test_settings",
     "test_recovery_e2e.py::test_the_restart_budget_counts_failures_in_a_row_not_the_runs_recoveries":
         "the budget's arithmetic over five kills",
     "test_long_run.py": "480 steps and 16 kills: leaks over many recoveries",

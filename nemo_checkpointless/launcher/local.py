@@ -208,7 +208,10 @@ class _Job:
     seen_injections: set[int] = field(default_factory=set)
     hang_deadline: float | None = None
     hang_handled: set[int] = field(default_factory=set)  # generations whose hang report was acted on
+    # rank -> (generation, time.monotonic()) its replacement was given the rank, until it trains (`watch_joining`)
+    joining: dict[int, tuple[int, float]] = field(default_factory=dict)
     hung: set[int] = field(default_factory=set)
+    not_started: set[int] = field(default_factory=set)  # replacements killed by `watch_joining`
     progress: HangWatch | None = None  # the progress watchdog (`watch_progress`)
     stragglers: StragglerWatch | None = None  # the straggler report (`watch_progress`)
     progress_generation: int = -1
@@ -347,7 +350,7 @@ class _Job:
         # launcher.max_restarts times. Our workers say when they start training; a worker of one's own may not.
         # A death by a signal (SIGKILL, SIGSEGV, SIGTERM from outside) is a fault, whenever it comes; when one rank
         # died by a signal, the others' errors are its consequence.
-        broken = [r for r in failed if r not in injected and r not in self.hung
+        broken = [r for r in failed if r not in injected and r not in self.hung and r not in self.not_started
                   and not self.store.check([training_key(self.ranks[r].popen.pid)])]
         by_signal = any((codes[r] or 0) < 0 for r in failed)
         if broken and self.command is not None:
@@ -409,10 +412,12 @@ class _Job:
         fault_t = min([t_seen, *(i["t"] for i in injected.values())])
         kinds = sorted({i["kind"] for i in injected.values()}
                        | {"hang" for r in failed if r in self.hung and r not in injected}
+                       | {"start_timeout" for r in failed if r in self.not_started}
                        | {"node" for r in failed if r in self.node_lost}) or ["crash"]
         if not failed:
             kinds = ["timeout"]
         self.hung.difference_update(failed)  # their replacements start unsuspected
+        self.not_started.difference_update(failed)
         self.node_lost.difference_update(failed)
         # The step the fault interrupted, when known (an injected fault says it): ranks stamp when they are
         # back there, which is how a recovery and a whole-job restart are compared.
@@ -471,9 +476,11 @@ class _Job:
             self.store.set(spare_assign_key(spare_id), protocol.Assignment(rank, self.generation).to_json())
             self.pids.setdefault(rank, []).append(proc)
             self.refill += 1
+            self.joining[rank] = (self.generation, time.monotonic())
             return proc
         how[rank] = "cold start"
         self.start_rank(rank, join_generation=self.generation)
+        self.joining[rank] = (self.generation, time.monotonic())
         return self.ranks[rank]
 
     def say_reshape(self, kind: str, active: list[int] | None) -> None:
@@ -543,6 +550,26 @@ class _Job:
         for r in silent:
             self.hung.add(r)
             self.ranks[r].popen.kill()
+
+    def watch_joining(self, codes: dict[int, int | None]) -> None:
+        """A replacement that has not trained its first step within launcher.start_timeout_s of being given its rank
+        (a spare that cannot start in time: a node too slow to start it, or a start that hangs) is killed, one
+        collective timeout after the survivors stopped waiting for it (their own verdict comes first, as with a
+        hang): an ordinary failure, replaced in the next generation (another spare if one is ready, else a fresh
+        process)."""
+        now = time.monotonic()
+        limit = self.cfg.launcher.start_timeout_s + self.cfg.launcher.collective_timeout_s
+        for rank, (generation, given) in list(self.joining.items()):
+            if (generation != self.generation or codes.get(rank) is not None
+                    or self.store.check([record_key(generation, rank) + "/first_step"])):
+                del self.joining[rank]  # it trains, it exited, or a later generation took over
+            elif now - given > limit:
+                del self.joining[rank]
+                self.not_started.add(rank)
+                print(f"checkpointless: rank {rank}'s replacement did not start within launcher.start_timeout_s="
+                      f"{self.cfg.launcher.start_timeout_s:g} s: it is killed and replaced again", file=sys.stderr,
+                      flush=True)
+                self.ranks[rank].popen.kill()
 
     def exit_codes(self) -> dict[int, int | None]:
         """Each rank's exit code (None: running). A process that died after its training ended and its results were
@@ -748,6 +775,7 @@ class _Job:
             return False
         self.next_watch = now + WATCH_S
         self.watch_hangs(codes)
+        self.watch_joining(codes)
         self.watch_progress(codes)
         self.watch_shrunk()
         if self.unrecovered and self.recovery_done(self.generation):
