@@ -208,7 +208,7 @@ class _Job:
     seen_injections: set[int] = field(default_factory=set)
     hang_deadline: float | None = None
     hang_handled: set[int] = field(default_factory=set)  # generations whose hang report was acted on
-    # rank -> (generation, time.monotonic()) its replacement was given the rank, until it trains (`watch_joining`)
+    # rank -> (generation, time.monotonic()) its replacement was given the rank, until it joins (`watch_joining`)
     joining: dict[int, tuple[int, float]] = field(default_factory=dict)
     hung: set[int] = field(default_factory=set)
     not_started: set[int] = field(default_factory=set)  # replacements killed by `watch_joining`
@@ -552,8 +552,9 @@ class _Job:
             self.ranks[r].popen.kill()
 
     def watch_joining(self, codes: dict[int, int | None]) -> None:
-        """A replacement that has not trained its first step within launcher.start_timeout_s of being given its rank
-        (a spare that cannot start in time: a node too slow to start it, or a start that hangs) is killed, one
+        """A replacement that has not joined its generation (its recovery record: the ranks agreed and it received
+        its state) within launcher.start_timeout_s of being given its rank (a spare that cannot start in time: a
+        node too slow to start it, or a start that hangs) is killed, one
         collective timeout after the survivors stopped waiting for it (their own verdict comes first, as with a
         hang): an ordinary failure, replaced in the next generation (another spare if one is ready, else a fresh
         process)."""
@@ -561,8 +562,8 @@ class _Job:
         limit = self.cfg.launcher.start_timeout_s + self.cfg.launcher.collective_timeout_s
         for rank, (generation, given) in list(self.joining.items()):
             if (generation != self.generation or codes.get(rank) is not None
-                    or self.store.check([record_key(generation, rank) + "/first_step"])):
-                del self.joining[rank]  # it trains, it exited, or a later generation took over
+                    or self.store.check([record_key(generation, rank)])):
+                del self.joining[rank]  # it joined, it exited, or a later generation took over
             elif now - given > limit:
                 del self.joining[rank]
                 self.not_started.add(rank)
