@@ -162,6 +162,30 @@ def test_a_flipped_bit_is_outvoted_with_three_instances_and_rolled_back_with_two
     assert last["repaired_from"] == {"2": 0}, last
 
 
+def test_the_per_step_digests_find_the_copy_that_differs() -> None:
+    """`encode_digest` slots summed over the ranks (as the gradient all-reduce sums the side channel) carry every
+    rank's 32-bit digest exactly; `copies_differ` compares them within each replica group."""
+    import torch
+
+    from nemo_checkpointless.restart.integrity import DIGEST_SLOTS, IntegrityCheck, encode_digest
+    from nemo_checkpointless.topology import ParallelDims
+
+    check = IntegrityCheck(engine=None, dims=ParallelDims(world_size=4, num_instances=2))  # type: ignore[arg-type]
+    same = {0: 0xDEADBEEF, 1: 0x01020304, 2: 0xDEADBEEF, 3: 0x01020304}  # ranks 0, 2 and 1, 3 hold one shard each
+
+    def summed(digests: dict[int, int]) -> torch.Tensor:
+        out = torch.zeros(4 * DIGEST_SLOTS)
+        for r, d in digests.items():
+            part = torch.zeros(4 * DIGEST_SLOTS)
+            part[r * DIGEST_SLOTS:(r + 1) * DIGEST_SLOTS] = encode_digest(d)
+            out += part
+        return out
+
+    assert not check.copies_differ(summed(same), range(4))
+    for bit in (0, 7, 8, 31):  # one bit of rank 3's digest, in each byte's edge
+        assert check.copies_differ(summed({**same, 3: same[3] ^ (1 << bit)}), range(4)), bit
+
+
 def test_non_finite_state_is_never_a_majority() -> None:
     groups = [(0, 2, 4), (1, 3, 5)]
     params = {r: 7 for r in range(6)}

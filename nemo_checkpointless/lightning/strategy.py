@@ -45,13 +45,13 @@ from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.replication import ShardedOptimizer
 from nemo_checkpointless.restart import Membership, PeerFailure, progress
 from nemo_checkpointless.restart.faults import kill_in_gather
-from nemo_checkpointless.restart.integrity import IntegrityCheck, NanGuard
+from nemo_checkpointless.restart.integrity import DIGEST_SLOTS, IntegrityCheck, NanGuard, encode_digest
 from nemo_checkpointless.restart.recovery import Decision, Parked, Reshape, RestartFromCheckpoint
 from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
 from nemo_checkpointless.restart.worker_env import die_by_signal, freeze_heap
 from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
 from nemo_checkpointless.state.rng import capture_rng, restore_rng
-from nemo_checkpointless.topology import ParallelDims, rank_info, replica_groups
+from nemo_checkpointless.topology import ParallelDims, rank_info
 from nemo_checkpointless.topology.shrink import served_ranks
 
 STATE_VERSION = 1
@@ -277,7 +277,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._writer_instance = 0
         self._integrity_every_arg = integrity_every_n_steps
         self.integrity: IntegrityCheck | None = None  # the cross-replica check (built with the session)
-        self._step_digest_s = 0.0  # time this rank spent on its per-step replica digests (`replica_digest`)
+        self._step_digest_s = 0.0  # time this rank spent on its per-step replica digests (`shard_digest`)
         self._nan_policy_arg = nan_policy
         self.nan_guard: NanGuard | None = None  # non-finite gradients (built with the session)
         self._poison: dict[int, bool] = {}  # fault plan kinds nan / nan_batch: step -> persistent
@@ -730,37 +730,10 @@ class CheckpointlessStrategy(ParallelStrategy):
 
     @property
     def _digests_every_step(self) -> bool:
-        """The per-step replica digest (`replica_digest`, in the gradient all-reduce's side channel) is on where the
-        vote is and there is a replica to compare with (N >= 2)."""
+        """The per-step replica digest (`ShardedOptimizer.shard_digest`, in the gradient all-reduce's side channel;
+        `IntegrityCheck.copies_differ`) is on where the vote is and there is a replica to compare with (N >= 2)."""
         return bool(self._votes and self.integrity is not None and self.integrity.every_n_steps
                     and self.num_instances >= 2)
-
-    def _replicas_differ(self, summed: torch.Tensor, ranks: Any) -> bool:
-        """Whether, in the side channel's digest slots (`summed`: 4 a rank), the copies of a shard differ."""
-        assert self.integrity is not None
-        values = summed.to(torch.int64).view(-1, 4).tolist()
-        digest = {r: bytes(values[r]) for r in ranks}
-        return any(len({digest[r] for r in group}) > 1 for group in replica_groups(self.integrity.dims))
-
-    def replica_digest(self) -> int:
-        """32 bits that every copy of this rank's optimizer shard (its parameter slice and its optimizer state)
-        shares: the sum of the shard's 32-bit words (16-bit for 2-byte types, bytes for 1-byte ones), mod 2^32.
-        One pass over 1/DP of the parameters and their state, on the device, no copy: any single flipped bit changes
-        it. Compared within each replica group every step, it catches corruption of the shard before the step's
-        update reads it (params gathered from instance-mates, outside the shard, are the periodic vote's)."""
-        assert self.sharded is not None
-        sums = []
-        for t in self.sharded.shard_state().values():
-            flat = t.detach().reshape(-1)
-            size = flat.element_size()
-            if size >= 4 and flat.numel() * size % 4 == 0:
-                words = flat.view(torch.int32)
-            elif size == 2:
-                words = flat.view(torch.int16)
-            else:
-                words = flat.view(torch.uint8)
-            sums.append(words.sum(dtype=torch.int64))
-        return int(torch.stack([x.to(sums[0].device) for x in sums]).sum()) & 0xFFFFFFFF  # one host sync
 
     def integrity_summary(self) -> dict[str, Any] | None:
         """`summary.json["integrity"]`: the checks (`IntegrityCheck.summary`, whose records include the NaN
@@ -954,13 +927,14 @@ class CheckpointlessStrategy(ParallelStrategy):
                     self._apply_poison(step)
                     replay = False
                 if digests:
-                    at, t0 = hashes + 1 + world + 4 * self.global_rank, time.perf_counter()
-                    side[at:at + 4] = torch.tensor(list(self.replica_digest().to_bytes(4, "little")))
+                    at, t0 = hashes + 1 + world + DIGEST_SLOTS * self.global_rank, time.perf_counter()
+                    side[at:at + DIGEST_SLOTS] = encode_digest(self.sharded.shard_digest())
                     self._step_digest_s += time.perf_counter() - t0
                 summed = self.sharded.reduce_gradients(side, local_norm_at=hashes + 1 + self.global_rank)
                 assert summed is not None and self.nan_guard is not None
                 ranks = self.membership.world().ranks
-                if digests and self._replicas_differ(summed[hashes + 1 + world:], ranks):
+                check = self.integrity
+                if digests and check is not None and check.copies_differ(summed[hashes + 1 + world:], ranks):
                     # A copy of an optimizer shard differs from its replicas before this step's update reads it:
                     # the gradients are dropped, the replicas vote on the boundary's state (a repair, or a
                     # rollback that leaves `fit`), and every rank runs the step again.

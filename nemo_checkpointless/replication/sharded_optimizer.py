@@ -217,6 +217,24 @@ class ShardedOptimizer:
         self.phase = 0
 
     # ------------------------------------------------------------------------------------------- state views
+    def shard_digest(self) -> int:
+        """32 bits that every copy of this rank's shard (its parameter slice and its optimizer state) shares: the sum
+        of the shard's 32-bit words (16-bit for 2-byte types, bytes for 1-byte ones), mod 2^32. One pass over the
+        shard and its state on the device, no copy, one host sync; any single flipped bit changes it. The
+        integrity check compares it across the replicas every step (`restart.integrity.IntegrityCheck`)."""
+        sums = []
+        for t in self.shard_state().values():
+            flat = t.detach().reshape(-1)
+            size = flat.element_size()
+            if size >= 4 and flat.numel() * size % 4 == 0:
+                words = flat.view(torch.int32)
+            elif size == 2:
+                words = flat.view(torch.int16)
+            else:
+                words = flat.view(torch.uint8)
+            sums.append(words.sum(dtype=torch.int64))
+        return int(torch.stack([x.to(sums[0].device) for x in sums]).sum()) & 0xFFFFFFFF
+
     def shard_state(self) -> dict[str, torch.Tensor]:
         """This rank's optimizer state (and shard of the parameters), by name: what a replica must hold equal."""
         out: dict[str, torch.Tensor] = {}

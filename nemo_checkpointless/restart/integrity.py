@@ -58,6 +58,13 @@ class Checked(Participant, Protocol):
 
 
 STOPPED_EXIT_CODE = 3  # a job the ranks stopped on purpose (`stop_job`)
+DIGEST_SLOTS = 4  # a rank's per-step shard digest in a summed side channel: 4 slots, a byte each (exact in any float)
+
+
+def encode_digest(digest: int) -> torch.Tensor:
+    """A rank's 32-bit shard digest as `DIGEST_SLOTS` floats, for its own slots of a side channel that is summed
+    over the ranks (the others' slots are 0 there: the sum carries every rank's digest exactly)."""
+    return torch.tensor(list(digest.to_bytes(DIGEST_SLOTS, "little")), dtype=torch.float32)
 
 
 def stop_job(store: Any, rank: int, message: str | None, exit_code: int = STOPPED_EXIT_CODE,
@@ -106,6 +113,13 @@ class IntegrityCheck:
         if self.pending is not None and step >= self.pending:
             return True
         return bool(self.every_n_steps and step and step % self.every_n_steps == 0)
+
+    def copies_differ(self, slots: torch.Tensor, ranks: Any) -> bool:
+        """Whether the copies of some shard differ, from every rank's `encode_digest` summed into `slots`
+        (`DIGEST_SLOTS` a rank, in rank order): the per-step check; a difference calls for `run` (the vote)."""
+        values = slots.to(torch.int64).view(-1, DIGEST_SLOTS).tolist()
+        digest = {r: bytes(values[r]) for r in ranks}
+        return any(len({digest[r] for r in group}) > 1 for group in replica_groups(self.dims))
 
     def run(self, participant: Checked, step: int, held_bytes: int) -> str:
         """The check at boundary `step` (every rank of the world calls it). Returns the action taken ("ok",
@@ -298,4 +312,5 @@ class NanGuard:
         return self.records
 
 
-__all__ = ["STOPPED_EXIT_CODE", "Checked", "IntegrityCheck", "NanGuard", "PeerFailure", "stop_job"]
+__all__ = ["DIGEST_SLOTS", "STOPPED_EXIT_CODE", "Checked", "IntegrityCheck", "NanGuard", "PeerFailure", "encode_digest",
+           "stop_job"]
