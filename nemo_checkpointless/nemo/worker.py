@@ -223,7 +223,11 @@ def run(prepared: tuple[Config, Any, bool] | None = None) -> None:
 
 
 def main() -> NoReturn:
-    warnings.filterwarnings("ignore")
+    # What megatron-core and torch say on every CPU machine (no GPU unified memory, no Transformer Engine or Apex,
+    # NVML's old binding), once per process: noise to a user of this job. Anything else reaches the user.
+    for message in (".*unified memory mempool.*", ".*Transformer Engine and Apex are not installed.*",
+                    ".*pynvml package is deprecated.*"):
+        warnings.filterwarnings("ignore", message=message)
     run_worker(run)
 
 
