@@ -171,6 +171,9 @@ def test_a_rank_killed_from_outside_at_a_random_moment_ends_equal(workdir: Path,
     assert len(summary["recoveries"]) == 1, brief
     [rec] = summary["recoveries"]
     assert rec["failed_ranks"] == [victim] and rec["exit_codes"] == {str(victim): -signal.SIGKILL}, brief
+    if rec["path"] == "checkpoint":
+        _assert_uneven_fallback(run_dir, rec, brief)
+        return
     assert rec["path"] == "p2p", brief
     # A kill after the step's gradient all-reduce (in the parameter all-gather, or before the rank logged the step)
     # leaves the survivors with that step done: the replacement receives it done (the state of `resumed_from_step`,
@@ -181,6 +184,22 @@ def test_a_rank_killed_from_outside_at_a_random_moment_ends_equal(workdir: Path,
     logs = steplog.assert_steps(run_dir, STEPS, killed={victim: 1}, not_completed={victim: received},
                                 reference=workdir / "reference")
     assert logs[victim][0].pid == pid and logs[victim][-1].pid != pid, brief
+
+
+def _assert_uneven_fallback(run_dir: Path, rec: dict[str, Any], brief: str) -> None:
+    """A known limit (docs/design.md, "Known limits"): a kill that lands as a step's gradient all-reduce completes
+    on some survivors and fails on others (gloo's ring hands each rank its result as soon as it has it) leaves the
+    survivors on two sides of a step boundary; a survivor one step behind that had not yet updated its shard is not
+    restored from a replica, and the job falls back to the checkpoint. Seen once in the full tier (rank 3 killed
+    at step 19: rank 2 at step 17, ranks 0 and 1 at 18). The run is still equal (asserted before), and from the
+    ranks' own logs: each rank ran 1..k once, k >= the checkpoint's step, then every step after the checkpoint."""
+    assert "are not at the common step boundary" in rec["reason"], brief
+    checkpoint = rec["resumed_from_step"]
+    for rank, lines in steplog.read(run_dir).items():
+        got = [x.step for x in lines]
+        k = next((i for i in range(1, len(got)) if got[i] <= got[i - 1]), len(got))
+        assert got[:k] == list(range(1, got[k - 1] + 1)) and got[k - 1] >= checkpoint, (rank, got, brief)
+        assert got[k:] == list(range(checkpoint + 1, STEPS + 1)), (rank, got, brief)
 
 
 def test_a_rank_lost_in_its_instances_all_gather_rolls_its_partner_forward(
