@@ -27,6 +27,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -189,24 +190,34 @@ def _blocks(lines: list[Line]) -> list[tuple[int, list[Line]]]:
 
 
 def received_steps(run_dir: Path, recoveries: Iterable[Mapping[str, Any]]) -> dict[int, list[int]]:
-    """The steps a replacement received done: a rank killed in a step's parameter all-gather (after the step's
-    gradient all-reduce) leaves its replica with that step complete, and its replacement starts from it. Read from
-    the logs: the steps between one process's last line and the next process's first; each gap must be one step,
-    the one a p2p recovery of that rank resumed from (`summary.json["recoveries"][i]["resumed_from_step"]`), so a
-    step skipped for any other reason still fails `assert_steps`. A kill at an unlucky moment of a test that kills
-    from outside lands there (the random-kill tests); pass the result as `not_completed`."""
+    """The steps a rank received done instead of completing them: a rank killed in a step's parameter all-gather
+    (after the step's gradient all-reduce) leaves that step complete on its replica, and its replacement starts
+    from it; its instance partner, a survivor, completes that step from the replica too (rolled forward; on the
+    NeMo engine outside its training loop, so no line). Read from the logs: a step missing between two consecutive
+    lines of a rank (of one process or two); each must be the step a p2p recovery resumed from, of a recovery that
+    replaced that rank or rolled it forward (its reason names it), so a step skipped for any other reason still
+    fails `assert_steps`. A kill from outside at an unlucky moment lands there; pass the result as
+    `not_completed`."""
     out: dict[int, list[int]] = {}
-    recoveries = list(recoveries)
+    recoveries = [r for r in recoveries if r["path"] == "p2p"]
+
+    def explains(rank: int, step: int) -> bool:
+        for r in recoveries:
+            rolled = re.search(r"survivors \[([\d, ]+)\] lost an instance partner", r.get("reason", ""))
+            mine = rank in r["failed_ranks"] or (rolled is not None and str(rank) in rolled[1].split(", "))
+            if mine and r["resumed_from_step"] == step:
+                return True
+        return False
+
     for rank, lines in read(run_dir).items():
-        blocks = _blocks(lines)
-        for (_, before), (_, after) in itertools.pairwise(blocks):
-            gap = list(range(before[-1].step + 1, after[0].step))
+        for before, after in itertools.pairwise(lines):
+            gap = list(range(before.step + 1, after.step))
             if not gap:
                 continue
-            resumed = [r["resumed_from_step"] for r in recoveries if rank in r["failed_ranks"] and r["path"] == "p2p"]
-            assert len(gap) == 1 and gap[0] in resumed, (
-                f"rank {rank}: no process of it completed steps {_ranges(gap)}, and no p2p recovery of it resumed "
-                f"from the last of them (recoveries resumed from {resumed})")
+            assert len(gap) == 1 and explains(rank, gap[0]), (
+                f"rank {rank}: no process of it completed steps {_ranges(gap)}, and no p2p recovery that replaced it "
+                f"or rolled it forward resumed from there (p2p recoveries: "
+                f"{[(r['failed_ranks'], r['resumed_from_step'], r['reason']) for r in recoveries]})")
             out.setdefault(rank, []).extend(gap)
     return out
 

@@ -65,9 +65,12 @@ def _finish(proc: subprocess.Popen[bytes], run_dir: Path) -> dict[str, Any]:
 def _assert_ran(reference: dict[str, Any], summary: dict[str, Any], killed: dict[int, int],
                 replays: list[tuple[int, int]] | None = None) -> None:
     """From the ranks' own step logs (`steplog.assert_steps`): every step once per rank (twice where `replays` says
-    a fallback repeats it), ranks not in `killed` in one process, the reference's batches; and the process that
-    wrote each rank's final record (its `os.getpid()`) is the one that logged the rank's last step."""
-    steplog.assert_steps(summary["run_dir"], STEPS, killed=killed, replays=replays or [],
+    a fallback repeats it; not at all the one a replacement received done, when a kill from outside landed in a
+    parameter all-gather: `steplog.received_steps`), ranks not in `killed` in one process, the reference's
+    batches; and the process that wrote each rank's final record (its `os.getpid()`) is the one that logged the
+    rank's last step."""
+    received = steplog.received_steps(Path(summary["run_dir"]), summary["recoveries"])
+    steplog.assert_steps(summary["run_dir"], STEPS, killed=killed, replays=replays or [], not_completed=received,
                          reference=reference["run_dir"],
                          final_pids={r: summary["ranks"][r]["pid"] for r in range(4)})
 
