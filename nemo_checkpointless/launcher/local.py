@@ -554,10 +554,9 @@ class _Job:
     def watch_joining(self, codes: dict[int, int | None]) -> None:
         """A replacement that has not joined its generation (its recovery record: the ranks agreed and it received
         its state) within launcher.start_timeout_s of being given its rank (a spare that cannot start in time: a
-        node too slow to start it, or a start that hangs) is killed, one
-        collective timeout after the survivors stopped waiting for it (their own verdict comes first, as with a
-        hang): an ordinary failure, replaced in the next generation (another spare if one is ready, else a fresh
-        process)."""
+        node too slow to start it, or a start that hangs) is killed, one collective timeout after the survivors
+        stopped waiting for it (their own verdict comes first, as with a hang): an ordinary failure, replaced in the
+        next generation (another spare if one is ready, else a fresh process)."""
         now = time.monotonic()
         limit = self.cfg.launcher.start_timeout_s + self.cfg.launcher.collective_timeout_s
         for rank, (generation, given) in list(self.joining.items()):

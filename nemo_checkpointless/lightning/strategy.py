@@ -708,10 +708,14 @@ class CheckpointlessStrategy(ParallelStrategy):
         except PeerFailure as failure:
             self._recover(failure)  # a p2p recovery here; the check runs again at the next boundary
             return
-        if self._rng_to_restore is not None:  # repaired: the RNG of the boundary is the majority's
-            self._boundary = self._rng_to_restore
-            restore_rng(*self._rng_to_restore)
-            self._rng_to_restore = None
+        self._adopt_repaired_rng()
+
+    def _adopt_repaired_rng(self) -> None:
+        """After a vote that repaired this rank (`load_state` left the source's boundary RNG in `_rng_to_restore`):
+        the boundary's RNG is the majority's, taken now and kept for a replay or a replacement."""
+        if self._rng_to_restore is not None:
+            self._boundary, self._rng_to_restore = self._rng_to_restore, None
+            restore_rng(*self._boundary)
 
     @property
     def _votes(self) -> bool:
@@ -942,8 +946,7 @@ class CheckpointlessStrategy(ParallelStrategy):
                     replay = True
                     if self._vote(step - 1) == "ok":  # equal states cannot give unequal sums
                         compare = False
-                    if self._rng_to_restore is not None:  # repaired: the boundary's RNG is the majority's
-                        self._boundary, self._rng_to_restore = self._rng_to_restore, None
+                    self._adopt_repaired_rng()
                     continue
                 norms = summed[hashes + 1:hashes + 1 + world]
                 verdict = self.nan_guard.judge(step, {r: float(norms[r]) for r in ranks}, self._step_samples)
@@ -1004,9 +1007,7 @@ class CheckpointlessStrategy(ParallelStrategy):
                         and step != self._entered_at):
                     self._vote(step)
                     self._entered_at = step  # voted: a recovery in the barrier below does not vote again
-                    if self._rng_to_restore is not None:  # repaired: the boundary's RNG is the majority's
-                        restore_rng(*self._rng_to_restore)
-                        self._boundary, self._rng_to_restore = self._rng_to_restore, None
+                    self._adopt_repaired_rng()
                 self.membership.world().all_reduce(torch.zeros(1))
                 return
             except PeerFailure as failure:
