@@ -26,7 +26,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -37,12 +37,36 @@ from nemo_checkpointless.protocol import SPARE_ID_ENV
 from nemo_checkpointless.restart.faults import InjectedFault
 from nemo_checkpointless.restart.groups import PeerFailure, alive_key, fault_generation, hang_key, reap
 from nemo_checkpointless.restart.recovery import RestartFromCheckpoint
+from nemo_checkpointless.restart.session import Session
 from nemo_checkpointless.restart.worker_env import die_by_signal, freeze_heap
 
-if TYPE_CHECKING:
-    from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
-
 State = tuple[dict[str, torch.Tensor], dict[str, Any]]
+
+
+class MegatronDoor(Protocol):
+    """What this module uses of the strategy it relaunches and recovers (`nemo.strategy.CheckpointlessMegatronStrategy`,
+    which imports this module): named here, so that nothing here imports the strategy."""
+
+    participant: MegatronParticipant | None
+    pg_timeout_s: float | None
+    reentry: dict[str, float]
+    fault_watch: FaultWatch | None
+    tensor_model_parallel_size: Any
+    sequence_parallel: Any
+    lr_scheduler_configs: Any
+    megatron_parallel: Any
+    optimizers: Any
+    model: Any
+
+    @property
+    def session(self) -> Session: ...
+
+    @property
+    def lightning_module(self) -> Any: ...
+
+    def ensure_session(self) -> None: ...
+
+    def begin_generation(self, resume: State | None) -> None: ...
 
 
 class InProcessLauncher(_Launcher):
@@ -54,7 +78,7 @@ class InProcessLauncher(_Launcher):
     module, DDP and optimizer), and `fit` is entered again with the same trainer, model and data module: the
     user's script (`trainer.fit`, `llm.train`) never sees the failure."""
 
-    def __init__(self, strategy: CheckpointlessMegatronStrategy) -> None:
+    def __init__(self, strategy: MegatronDoor) -> None:
         self.strategy = strategy
 
     @property
@@ -227,7 +251,7 @@ def warm_up_logging(device: torch.device) -> None:
     results.to(device)
 
 
-def entry_state(strategy: CheckpointlessMegatronStrategy) -> State | None:
+def entry_state(strategy: MegatronDoor) -> State | None:
     """The state this rank's first `fit` starts from: a replacement's, received from a live replica (or the
     checkpoint); after a whole-job restart, the newest checkpoint's; else none (the seeded initial state)."""
     session = strategy.session
@@ -248,7 +272,7 @@ def entry_state(strategy: CheckpointlessMegatronStrategy) -> State | None:
     return None
 
 
-def checkpoint_state(strategy: CheckpointlessMegatronStrategy, step: int) -> State | None:
+def checkpoint_state(strategy: MegatronDoor, step: int) -> State | None:
     received = ReceivedState()
     strategy.session.engine.load_checkpoint(received, step)
     return received.state
@@ -268,7 +292,7 @@ def _timed_out(e: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def recover_in_process(strategy: CheckpointlessMegatronStrategy, error: Exception, watch: FaultWatch,
+def recover_in_process(strategy: MegatronDoor, error: Exception, watch: FaultWatch,
                        generation: int) -> tuple[State | None, str]:
     """A survivor, out of a failed `fit`: wait until the launcher declares the failure (re-raise `error` if it never
     does: then it was this rank's own), run the recovery engine, and return the state the next `fit` starts from
