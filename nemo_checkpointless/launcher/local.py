@@ -829,6 +829,9 @@ class _Job:
             # The progress watchdog's deadline at the end (the fixed one, or what the step times made of it).
             "hang_deadline_s": round(self.progress.deadline(), 3) if self.progress and self.progress.enabled else None,
             "pids": {str(r): [p.popen.pid for p in procs] for r, procs in sorted(self.pids.items())},
+            # How many keys the job's store holds at the end: bounded by the job's size and its recoveries, not by
+            # its step count (what grows with the steps would fill the store's memory on a long job).
+            "store_keys": store.num_keys(),
         }
         tmp = run_dir / ".summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2) + "\n")

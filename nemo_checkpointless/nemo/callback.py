@@ -1,9 +1,8 @@
 """`CheckpointlessCallback` for NeMo 2: `nl.Trainer(strategy=CheckpointlessMegatronStrategy(...),
 callbacks=[CheckpointlessCallback()])`. Importing this module imports NeMo (the [nemo] extra).
 
-Per step: the fault plan's faults (tests, benchmarks; each fires once per job, even across replacements), the data
-record (the hash of what this rank trained on, under `data/<step>/<rank>` in the launcher's store), and the stamps
-the launcher turns into each recovery's record. At the end, every rank writes `RUN_DIR/nemo_rank<r>.json` (its
+Per step: the fault plan's faults (tests, benchmarks; each fires once per job, even across replacements) and the
+stamps the launcher turns into each recovery's record. At the end, every rank writes `RUN_DIR/nemo_rank<r>.json` (its
 pid and the sha256 of its parameters, optimizer shard and RNG), and rank 0 writes `RUN_DIR/worker_summary.json`
 (what `checkpointless-run` puts in `summary.json`): the final step, `state_sha256` (every TP/PP slice's parameters
 and optimizer state whole, `nemo.digest`: equal exactly when the states are bitwise equal, however the shards are
@@ -31,7 +30,6 @@ from typing_extensions import override
 
 from nemo_checkpointless.config import FAULT_KINDS, FaultSpec
 from nemo_checkpointless.errors import ConfigError, SummaryError
-from nemo_checkpointless.nemo.data import data_key
 from nemo_checkpointless.nemo.digest import slice_digest
 from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
 from nemo_checkpointless.protocol import (
@@ -44,7 +42,7 @@ from nemo_checkpointless.protocol import (
 )
 from nemo_checkpointless.restart import progress
 from nemo_checkpointless.restart.faults import fire_faults, slow_delay
-from nemo_checkpointless.state.hashing import DataDigest, state_digest
+from nemo_checkpointless.state.hashing import state_digest
 from nemo_checkpointless.topology import rank_info
 
 LIGHTNING_ONLY_FAULTS = ("bitflip", "nan", "nan_batch", "corrupt_restore")
@@ -173,18 +171,15 @@ class CheckpointlessCallback(pl.Callback):
         leaders = sorted({rank_info(session.dims, r).shard_group[0] for r in range(world)
                           if rank_info(session.dims, r).instance == 0})
         finals = [f"final/{step}/{r}" for r in leaders]  # one per TP/PP slice, in rank order
-        steps = [data_key(s, r) for s in range(1, step + 1) for r in range(world)]
         try:
-            store.wait(finals + steps, datetime.timedelta(seconds=self.summary_timeout_s))
+            store.wait(finals, datetime.timedelta(seconds=self.summary_timeout_s))
         except RuntimeError:  # the store's wait timeout; not a peer's failure (nothing to recover at the end)
-            missing = [k for k in finals + steps if not store.check([k])]
+            missing = [k for k in finals if not store.check([k])]
             raise SummaryError(f"rank 0: training ended at step {step} but {len(missing)} record(s) of the "
                                f"job's summary are missing after {self.summary_timeout_s:.0f} s: "
                                f"{', '.join(missing[:8])}") from None
         state = hashlib.sha256("|".join(store.get(k).decode() for k in finals).encode()).hexdigest()
-        data = DataDigest()
-        for s in range(1, step + 1):
-            data.update([bytes.fromhex(store.get(data_key(s, r)).decode()) for r in range(world)])
+        data = part.data_digest  # every rank's batches of every step, folded step by step (`gather_step_hashes`)
         summary = {"final_step": step, "state_sha256": state, "data_sha256": data.hexdigest,
                    "data_steps": data.steps, "train_end_t": time.time()}
         write_worker_summary(self.run_dir, summary)

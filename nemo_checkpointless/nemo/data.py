@@ -14,7 +14,8 @@ dataset is read through the job's shared-memory cache in the order Megatron's pr
 
 `RecordingIterator` wraps the step's micro-batch iterator (`CheckpointlessMegatronStrategy.training_step`): it hashes
 each micro-batch the step actually consumes (a GPT batch: inputs plus the last label, the Lightning path's batch);
-`take_step_digest` returns the step's digest. Importing this module imports NeMo (the [nemo] extra).
+`gather_step_hashes` collects every rank's digest of the step for the running data record. Importing this module
+imports NeMo (the [nemo] extra).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from nemo_checkpointless.data.cache import data_version, fingerprint
 from nemo_checkpointless.data.loader import MmapBatchLoader
 from nemo_checkpointless.data.sampling import GlobalBatchPlan, IndexPermutation, TokenSequences
 from nemo_checkpointless.errors import ConfigError
-from nemo_checkpointless.state.hashing import batch_hash
+from nemo_checkpointless.state.hashing import HASH_BYTES, batch_hash
 
 _RECORDED: list[bytes] = []  # this process's micro-batch hashes since the last `take_step_digest`
 
@@ -358,18 +359,16 @@ class RecordingIterator:
         return batch
 
 
-def data_key(step: int, rank: int) -> str:
-    """The store key of rank `rank`'s data digest of step `step` (rank 0 combines them into `data_sha256`)."""
-    return f"data/{step}/{rank}"
-
-
-def publish_step_digest(store: Any, step: int, rank: int) -> None:
-    """Once the step's micro-batches are consumed and before its optimizer step: this rank's data digest of step
-    `step` goes to the store. Written before the step can complete anywhere, so that a rank that dies after it
-    completed has always left it; one that dies before leaves it to its replacement, which writes the same."""
-    digest = take_step_digest()
-    if digest is not None:
-        store.set(data_key(step, rank), digest.hex())
+def gather_step_hashes(world: Any) -> list[bytes]:
+    """Once the step's micro-batches are consumed and before its optimizer step: every rank's digest of them, in
+    rank order, gathered over `world` (the generation's world group: 32 bytes a rank, one small all-gather a step).
+    A rank that consumed none (a middle pipeline stage) contributes zeros. The participant folds them into its
+    running data digest when the step completes (`MegatronParticipant.step_done`), so the record travels with
+    the rank's state (a replacement receives it; a checkpoint holds it) and no store key is written per step."""
+    mine = torch.tensor(list(take_step_digest() or bytes(HASH_BYTES)), dtype=torch.uint8)
+    out = [torch.empty(HASH_BYTES, dtype=torch.uint8) for _ in range(world.size)]
+    world.all_gather(out, mine)
+    return [bytes(t.tolist()) for t in out]
 
 
 def take_step_digest() -> bytes | None:

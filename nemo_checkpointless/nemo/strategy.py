@@ -48,7 +48,7 @@ from typing_extensions import override  # noqa: E402
 from nemo_checkpointless.errors import ConfigError  # noqa: E402
 from nemo_checkpointless.nemo import numerics  # noqa: E402
 from nemo_checkpointless.nemo.adapter import MegatronParticipant, distributed_optimizers  # noqa: E402
-from nemo_checkpointless.nemo.data import RecordingIterator, publish_step_digest  # noqa: E402
+from nemo_checkpointless.nemo.data import RecordingIterator, gather_step_hashes  # noqa: E402
 from nemo_checkpointless.nemo.restart import NEMO_DEFAULT_SEED, FaultWatch, InProcessLauncher  # noqa: E402
 from nemo_checkpointless.protocol import LAYOUT_ENV, NUM_INSTANCES_ENV, STORE_PORT_ENV  # noqa: E402
 from nemo_checkpointless.restart import objects, progress  # noqa: E402
@@ -125,6 +125,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.num_instances = num_instances
         self.global_batch_size = global_batch_size
         self.participant: MegatronParticipant | None = None
+        self._step_hashes: list[bytes] | None = None  # every rank's data digest of the step in flight
         self.n_independent = False  # whether `nemo.numerics` replaced megatron's gradient reduction (at setup)
         self.dims: ParallelDims | None = None
         self.pg_timeout_s = pg_timeout_s
@@ -436,7 +437,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         with watch.interruptible() if watch is not None else contextlib.nullcontext():
             out = super().training_step(RecordingIterator(dataloader_iter), *args, **kwargs)
         if self._session is not None:
-            publish_step_digest(self._session.store, step + 1, self._session.env.rank)
+            self._step_hashes = gather_step_hashes(self._session.membership.world())
         self._mark(step + 1, progress.BACKWARD_DONE)
         return out
 
@@ -445,7 +446,8 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self._mark(self.trainer.global_step + 1, progress.OPTIMIZER)
         out = super().optimizer_step(*args, **kwargs)
         if self.participant is not None:
-            self.participant.step_done()
+            self.participant.step_done(self._step_hashes)
+        self._step_hashes = None
         self._mark(self.trainer.global_step + 1, progress.STEP_DONE)
         return out
 
