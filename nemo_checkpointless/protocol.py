@@ -75,6 +75,12 @@ GROW_KEY = "job/grow"
 # reproduces under integrity.nan_policy=stop, a restore that failed its verification twice in a row. The launcher
 # ends the job with that message and exit code instead of replacing the ranks that left.
 STOP_KEY = "job/stop"
+# The integrity records so far (JSON list), written by the ranks when they make one (`restart.integrity`).
+INTEGRITY_RECORDS_KEY = "job/integrity/records"
+# The exit status of a rank that must go back to the seeded initial state (a fallback or a rollback to step 0: no
+# checkpoint) and cannot rebuild it in its own process (the Lightning engine: the user's script built the model
+# before `fit`). The launcher restarts the whole job for that fault (`launcher.on_failure=restart_all` once).
+RESTART_ALL_EXIT_CODE = 4
 
 
 def local_addr(store_host: str) -> str:

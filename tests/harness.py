@@ -70,6 +70,29 @@ def child_env(tests_on_path: bool = False) -> dict[str, str]:
     return env
 
 
+# The built-in job of each engine (`checkpointless-train`): the Lightning engine's tiny Llama, and the NeMo engine's
+# (megatron-core on gloo through the test-only CPU shim).
+ENGINES: dict[str, list[str]] = {
+    "lightning": ["recipe=tiny_llama_cpu"],
+    "nemo": ["recipe=tiny_llama_nemo", "launcher.preload=[nemo_shim]"],
+}
+
+
+def train_builtin(run_dir: Path, engine: str, *overrides: str, timeout_s: float = 600) -> dict[str, Any]:
+    """One `checkpointless-train` of `engine`'s built-in job; asserts it succeeded (else shows its output and every
+    rank's log tail) and returns its summary."""
+    argv = [sys.executable, "-m", "nemo_checkpointless.cli.train", f"run.dir={run_dir}", *ENGINES[engine],
+            "trainer.progress_bar=false", *overrides]
+    proc = subprocess.run(argv, env=child_env(tests_on_path=True), cwd=REPO_ROOT, capture_output=True,
+                          timeout=timeout_s, check=False)
+    out = (proc.stdout + proc.stderr).decode(errors="replace")
+    logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
+                     for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{out[-4000:]}\n{logs}"
+    summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    return summary
+
+
 def finish_job(proc: subprocess.Popen[bytes], run_dir: Path, rank_file: str, timeout_s: float,
                world_size: int = 4) -> dict[str, Any]:
     """Wait for a `checkpointless-run` job; assert it succeeded (else show its output and every rank's log tail);

@@ -34,6 +34,12 @@ FULL_ONLY: dict[str, str] = {
         "a rank's session waits that long: test_settings",
     "test_recovery_e2e.py::test_the_restart_budget_counts_failures_in_a_row_not_the_runs_recoveries":
         "the budget's arithmetic over five kills",
+    "test_integrity_engines.py::test_two_copies_that_differ_roll_back_to_the_last_verified_checkpoint_or_the_start":
+        "the rollback on both engines (four launches each); on the Lightning engine the PR tier rolls back in "
+        "test_integrity; the repair on both engines: test_three_copies_outvote...",
+    "test_store_keys.py::test_a_long_job_ends_with_as_many_store_keys_as_a_short_one[nemo-2000]":
+        "2,000 NeMo steps (~4 min); the Lightning engine's 300 steps run in the PR tier, and the NeMo engine's data "
+        "record, which wrote a key per rank per step, is checked equal in every NeMo test's summary",
     "test_long_run.py": "480 steps and 16 kills: leaks over many recoveries",
     "test_data_e2e.py": "the mmap loader under kills: the built-in job's default loader, killed in the PR tier too",
     "test_getting_started.py": "the docs' snippet run as shown (two launches)",

@@ -350,15 +350,19 @@ class _Job:
         # launcher.max_restarts times. Our workers say when they start training; a worker of one's own may not.
         # A death by a signal (SIGKILL, SIGSEGV, SIGTERM from outside) is a fault, whenever it comes; when one rank
         # died by a signal, the others' errors are its consequence.
+        # A rank that must go back to the seeded initial state and cannot rebuild it in place asks for a restart of
+        # the whole job (`RESTART_ALL_EXIT_CODE`); a replacement that was joining then fails with it, a consequence.
+        asked_restart = any(codes.get(r) == protocol.RESTART_ALL_EXIT_CODE for r in failed)
         broken = [r for r in failed if r not in injected and r not in self.hung and r not in self.not_started
-                  and not self.store.check([training_key(self.ranks[r].popen.pid)])]
+                  and not asked_restart and not self.store.check([training_key(self.ranks[r].popen.pid)])]
         by_signal = any((codes[r] or 0) < 0 for r in failed)
         if broken and self.command is not None:
             broken = [] if by_signal else [r for r in broken if (codes[r] or 0) > 0]
         if broken and (self.command is not None or self.worker_module in WORKER_MODULES.values()):
             raise LaunchError(f"rank(s) {failed} failed before training (exit code {codes[broken[0]]}); "
                               f"{self.where(broken[0])}", exit_code=codes[broken[0]] or 1)
-        restart_all = self.cfg.launcher.on_failure == "restart_all" or not self.recovers_in_process()
+        restart_all = (self.cfg.launcher.on_failure == "restart_all" or not self.recovers_in_process()
+                       or asked_restart)
         if restart_all:
             # The baseline: stop every process, as a job restart does, and start the whole job again.
             for p in [*self.ranks.values(), *self.spares.values()]:
@@ -413,7 +417,9 @@ class _Job:
         kinds = sorted({i["kind"] for i in injected.values()}
                        | {"hang" for r in failed if r in self.hung and r not in injected}
                        | {"start_timeout" for r in failed if r in self.not_started}
-                       | {"node" for r in failed if r in self.node_lost}) or ["crash"]
+                       | {"node" for r in failed if r in self.node_lost}
+                       | {"restart_requested" for r in failed if codes.get(r) == protocol.RESTART_ALL_EXIT_CODE}
+                       ) or ["crash"]
         if not failed:
             kinds = ["timeout"]
         self.hung.difference_update(failed)  # their replacements start unsuspected

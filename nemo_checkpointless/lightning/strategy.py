@@ -45,7 +45,13 @@ from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.replication import ShardedOptimizer
 from nemo_checkpointless.restart import Membership, PeerFailure, progress
 from nemo_checkpointless.restart.faults import kill_in_gather
-from nemo_checkpointless.restart.integrity import DIGEST_SLOTS, IntegrityCheck, NanGuard, encode_digest
+from nemo_checkpointless.restart.integrity import (
+    DIGEST_SLOTS,
+    IntegrityCheck,
+    NanGuard,
+    encode_digest,
+    published_records,
+)
 from nemo_checkpointless.restart.recovery import Decision, Parked, Reshape, RestartFromCheckpoint
 from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
 from nemo_checkpointless.restart.worker_env import die_by_signal, freeze_heap
@@ -105,6 +111,11 @@ class _InProcessLauncher(_Launcher):
                 return function(*args, **kwargs)
             except RestartFromCheckpoint as restart:
                 print(f"[rank {rank}] {restart}", flush=True)
+                if restart.decision.step == 0:
+                    # No checkpoint: back to the seeded initial state, which only the user's script builds (before
+                    # `fit`): the job starts again, every process of it.
+                    print(f"[rank {rank}] no checkpoint to go back to: the job restarts from the start", flush=True)
+                    os._exit(protocol.RESTART_ALL_EXIT_CODE)
                 strategy.join = JoinSpec("checkpoint" if restart.recovery else "rollback", restart.generation,
                                          restart.decision.step)
             except _Regroup:
@@ -116,6 +127,10 @@ class _InProcessLauncher(_Launcher):
                     strategy.join = JoinSpec("kept", reshape.generation, reshape.decision.step)
                 except RestartFromCheckpoint as restart:
                     print(f"[rank {rank}] {restart}", flush=True)
+                    if restart.decision.step == 0:
+                        print(f"[rank {rank}] no checkpoint to go back to: the job restarts from the start",
+                              flush=True)
+                        os._exit(protocol.RESTART_ALL_EXIT_CODE)
                     strategy.join = JoinSpec("checkpoint", restart.generation, restart.decision.step)
             except Reshape as reshape:
                 print(f"[rank {rank}] {reshape}", flush=True)
@@ -358,7 +373,8 @@ class CheckpointlessStrategy(ParallelStrategy):
             raise ConfigError("CheckpointlessStrategy(integrity_every_n_steps=...)", every, "must be >= 0",
                               "use 0 (no check) or a number of steps, e.g. 50")
         fence_after = int(env_number(protocol.INTEGRITY_FENCE_ENV, 2))
-        self.integrity = IntegrityCheck(self._session.engine, self._session.dims, every, fence_after)
+        self.integrity = IntegrityCheck(self._session.engine, self._session.dims, every, fence_after,
+                                        records=published_records(self._session.store))
         policy = self._nan_policy_arg or os.environ.get(protocol.NAN_POLICY_ENV) or "stop"
         if policy not in ("stop", "skip"):
             raise ConfigError("CheckpointlessStrategy(nan_policy=...)", policy, "must be one of stop, skip",

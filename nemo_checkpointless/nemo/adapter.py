@@ -36,6 +36,7 @@ from torch import nn
 
 from nemo_checkpointless.restart.recovery import GATHERING
 from nemo_checkpointless.state.hashing import DataDigest
+from nemo_checkpointless.state.integrity import crc, word_sum
 from nemo_checkpointless.state.rng import capture_rng, restore_rng
 
 STATE_VERSION = 1
@@ -139,6 +140,38 @@ class MegatronParticipant:
         for c, chunk in enumerate(self.model):
             for name, p in chunk.named_parameters():
                 yield f"model.{c}.{name}", p
+
+    def shard_tensors(self) -> list[torch.Tensor]:
+        """This rank's shard as its replicas must hold it bitwise equal: each fp32 main param and its optimizer
+        state tensors, in order."""
+        out: list[torch.Tensor] = []
+        for _, inner, _, p in self._shard_params():
+            out.append(p.detach())
+            out.extend(v.detach() for _, v in sorted(inner.state.get(p, {}).items()) if isinstance(v, torch.Tensor))
+        return out
+
+    def shard_digest(self) -> int:
+        """The per-step replica digest of this rank's shard (`state.integrity.word_sum`)."""
+        return word_sum(self.shard_tensors())
+
+    def integrity_digests(self) -> tuple[int, int, bool]:
+        """For the replicas' vote (`restart.integrity.IntegrityCheck`): CRC-32 of this rank's parameters (its TP/PP
+        slice, whole: equal on every data-parallel rank), of its shard, and whether both are finite."""
+        params = [p.detach() for _, p in self.model_params()]
+        shard = self.shard_tensors()
+        finite = all(math.isfinite(float(t.sum())) for t in [*params, *shard] if t.is_floating_point())
+        return crc(params), crc(shard), finite
+
+    def flip_bit(self, rank: int) -> None:
+        """Fault plan kind `bitflip` (target shard): bit 12 of one element of this rank's first optimizer state
+        tensor (AdamW's `exp_avg`; before the first step, its first main param), in memory, silently."""
+        for _, inner, _, p in self._shard_params():
+            state = {k: v for k, v in inner.state.get(p, {}).items() if isinstance(v, torch.Tensor) and v.numel() > 1}
+            name, tensor = next(iter(sorted(state.items())), ("main param", p.detach()))
+            flat = tensor.view(-1).view(torch.int32)
+            flat[flat.numel() // 3] ^= 1 << 12
+            print(f"[rank {rank}] bitflip: bit 12 of element {flat.numel() // 3} of the shard's {name}", flush=True)
+            return
 
     def boundary_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """What a replica sends: this rank's state at the last step boundary (views, not copies: `pack` copies)."""

@@ -45,7 +45,7 @@ from nemo_checkpointless.restart.faults import fire_faults, slow_delay
 from nemo_checkpointless.state.hashing import state_digest
 from nemo_checkpointless.topology import rank_info
 
-LIGHTNING_ONLY_FAULTS = ("bitflip", "nan", "nan_batch", "corrupt_restore")
+LIGHTNING_ONLY_FAULTS = ("nan", "nan_batch", "corrupt_restore")
 NEMO_FAULTS = set(FAULT_KINDS) - set(LIGHTNING_ONLY_FAULTS)
 
 
@@ -68,9 +68,14 @@ class CheckpointlessCallback(pl.Callback):
         for i, spec in enumerate(self.fault_plan):
             if spec.kind in LIGHTNING_ONLY_FAULTS:
                 raise ConfigError(f"fault.plan[{i}].kind", spec.kind,
-                                  "is injected by the Lightning engine's strategy (the replicas' integrity check and "
-                                  "the NaN guard run there); the NeMo engine does not run them in this release",
+                                  "is injected by the Lightning engine's strategy (the NaN guard and the verification "
+                                  "of a restore run there); the NeMo engine does not run them in this release",
                                   f"use one of the other kinds with NeMo ({', '.join(sorted(NEMO_FAULTS))})")
+            if spec.kind == "bitflip" and spec.target == "param":
+                raise ConfigError(f"fault.plan[{i}].target", spec.target,
+                                  "a bitflip in the parameters outside a rank's shard is injected by the Lightning "
+                                  "engine only; the NeMo engine flips a bit of the rank's optimizer shard",
+                                  "drop the target (target shard)")
         self.summary_timeout_s = summary_timeout_s
 
     @staticmethod
@@ -108,7 +113,7 @@ class CheckpointlessCallback(pl.Callback):
 
         session.beacon.mark(trainer.global_step + 1, progress.STEP_START)
         fire_faults(self.fault_plan, session.env.rank, trainer.global_step + 1, store, corrupt,
-                    gather=strategy.kill_at_gather.add)
+                    gather=strategy.kill_at_gather.add, bitflip=strategy.flip_bit)
         slow_delay()  # a `slow` fault that fired: this rank is a straggler from then on
 
     @override
@@ -141,10 +146,15 @@ class CheckpointlessCallback(pl.Callback):
         rank, world, store = session.env.rank, session.env.world_size, session.store
         part = strategy.participant
         assert part is not None
-        # No rank leaves before every rank has completed the last step: a rank lost in it is recovered with its
-        # peers (its replica among them) still here. A failure raises out of `fit`, which recovers and re-enters.
-        session.membership.world().all_reduce(torch.zeros(1))
+        # The replicas vote on the final state before any rank hands it over (the digests, the script's save),
+        # unless this fit entered at this boundary (its state was voted on there): a repair loads the majority's
+        # state here, a rollback leaves `fit` and trains again. No rank leaves before every rank has completed the
+        # last step: a rank lost in it is recovered with its peers (its replica among them) still here. A failure
+        # raises out of `fit`, which recovers and re-enters.
         part.at_step_boundary(step)
+        if strategy.final_vote_due(step):
+            strategy.vote(step)
+        session.membership.world().all_reduce(torch.zeros(1))
         tensors, _ = part.boundary_state()
         params = state_digest({k: v for k, v in tensors.items() if k.startswith("model.")}, {})
         shard = state_digest({k: v for k, v in tensors.items() if k.startswith("opt")}, {})
@@ -181,7 +191,7 @@ class CheckpointlessCallback(pl.Callback):
         state = hashlib.sha256("|".join(store.get(k).decode() for k in finals).encode()).hexdigest()
         data = part.data_digest  # every rank's batches of every step, folded step by step (`gather_step_hashes`)
         summary = {"final_step": step, "state_sha256": state, "data_sha256": data.hexdigest,
-                   "data_steps": data.steps, "train_end_t": time.time()}
+                   "data_steps": data.steps, "integrity": strategy.integrity_summary(), "train_end_t": time.time()}
         write_worker_summary(self.run_dir, summary)
         store.set(finished_key(os.getpid()), "1")
 

@@ -43,6 +43,15 @@ from nemo_checkpointless.restart.worker_env import die_by_signal, freeze_heap
 State = tuple[dict[str, torch.Tensor], dict[str, Any]]
 
 
+class RedoStep(Exception):  # a control-flow signal, not an error
+    """Raised out of `fit` on every rank alike: the replicas' vote repaired a copy that step `step + 1` may have
+    trained on; every rank enters `fit` again at boundary `step` and trains that step again."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"the replicas' vote repaired a copy in step {step + 1}: that step is trained again")
+        self.step = step
+
+
 class MegatronDoor(Protocol):
     """What this module uses of the strategy it relaunches and recovers (`nemo.strategy.CheckpointlessMegatronStrategy`,
     which imports this module): named here, so that nothing here imports the strategy."""
@@ -118,8 +127,12 @@ class InProcessLauncher(_Launcher):
                     return function(*args, **kwargs)
             except (InjectedFault, ConfigError, SummaryError):  # this rank's own failure, a user's error: no peer's
                 raise
+            except (RestartFromCheckpoint, RedoStep) as again:  # the replicas' vote, every rank alike: no fault
+                t, recovered = time.time(), False
+                resume, how = after_vote(strategy, again)
+                reset_for_reentry(trainer)
             except Exception as e:  # a peer failed (a gloo error, or the timeout of a collective it never joined)
-                t = time.time()
+                t, recovered = time.time(), True
                 resume, how = recover_in_process(strategy, e, watch, generation)
                 reset_for_reentry(trainer)
             # After the handler, so that the exception's traceback (the failed fit's frames) is gone. That fit's
@@ -127,10 +140,11 @@ class InProcessLauncher(_Launcher):
             # collects them (a full collection, quick when the heap of the imports is frozen: `freeze_heap`) once
             # it has dropped the groups, while this thread sets up the next fit (it waits for its peers there).
             abandoned = abandon_default_group()
-            session.stamps.track(session.membership.generation)
+            if recovered:  # the recovery's record gets the first step after it (a vote's re-entry is no recovery)
+                session.stamps.track(session.membership.generation)
             strategy.reentry = {"recovered": time.time()}
-            print(f"[rank {session.env.rank}] recovered {how} in {time.time() - t:.2f} s (generation "
-                  f"{session.membership.generation}, {abandoned} old groups abandoned); entering fit again",
+            print(f"[rank {session.env.rank}] {'recovered ' if recovered else ''}{how} in {time.time() - t:.2f} s "
+                  f"(generation {session.membership.generation}, {abandoned} old groups abandoned); entering fit again",
                   flush=True)
 
 
@@ -290,6 +304,24 @@ def _wait_for_fault(store: Any, generation: int, patience_s: float) -> bool:
 def _timed_out(e: BaseException) -> bool:
     text = str(e).lower()
     return "timed out" in text or "timeout" in text
+
+
+def after_vote(strategy: MegatronDoor, again: RestartFromCheckpoint | RedoStep) -> tuple[State | None, str]:
+    """Every rank, out of a `fit` the replicas' vote ended (`restart.integrity`): the state the next `fit` (of
+    the same generation) starts from: the checkpoint's (a vote without a majority: roll back), or this rank's
+    own boundary state, repaired (train the step again). Lets the ended fit's megatron objects go."""
+    part = strategy.participant
+    assert part is not None
+    if isinstance(again, RestartFromCheckpoint):
+        resume = checkpoint_state(strategy, again.decision.step)
+        how = f"rolled back to step {again.decision.step} ({again.decision.reason})"
+    else:
+        part.restore_rng_now()
+        resume = own_boundary_state(part)
+        how = f"repaired by the replicas' vote, step {again.step + 1} again"
+    release_fit(strategy.model, strategy.optimizers)
+    strategy.participant = None
+    return resume, how
 
 
 def recover_in_process(strategy: MegatronDoor, error: Exception, watch: FaultWatch,

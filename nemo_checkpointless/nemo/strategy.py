@@ -49,11 +49,18 @@ from nemo_checkpointless.errors import ConfigError  # noqa: E402
 from nemo_checkpointless.nemo import numerics  # noqa: E402
 from nemo_checkpointless.nemo.adapter import MegatronParticipant, distributed_optimizers  # noqa: E402
 from nemo_checkpointless.nemo.data import RecordingIterator, gather_step_hashes  # noqa: E402
-from nemo_checkpointless.nemo.restart import NEMO_DEFAULT_SEED, FaultWatch, InProcessLauncher  # noqa: E402
-from nemo_checkpointless.protocol import LAYOUT_ENV, NUM_INSTANCES_ENV, STORE_PORT_ENV  # noqa: E402
+from nemo_checkpointless.nemo.restart import NEMO_DEFAULT_SEED, FaultWatch, InProcessLauncher, RedoStep  # noqa: E402
+from nemo_checkpointless.protocol import (  # noqa: E402
+    INTEGRITY_EVERY_ENV,
+    INTEGRITY_FENCE_ENV,
+    LAYOUT_ENV,
+    NUM_INSTANCES_ENV,
+    STORE_PORT_ENV,
+)
 from nemo_checkpointless.restart import objects, progress  # noqa: E402
 from nemo_checkpointless.restart.faults import kill_in_gather  # noqa: E402
-from nemo_checkpointless.restart.session import Session  # noqa: E402
+from nemo_checkpointless.restart.integrity import IntegrityCheck, published_records  # noqa: E402
+from nemo_checkpointless.restart.session import Session, env_number  # noqa: E402
 from nemo_checkpointless.state.checkpoint import CheckpointStore  # noqa: E402
 from nemo_checkpointless.topology import ParallelDims, rank_info  # noqa: E402
 
@@ -74,13 +81,18 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
             optimizer instance writes its whole state at the step boundary). Default: `checkpointless-run
             --checkpoint-every` (0: none; the fallback is then the seeded initial state), `RUN_DIR/checkpoints`.
         verify_checksum: check the sha256 of every state a replacement receives.
+        integrity_every_n_steps: the replicas' vote on every copy of every optimizer shard and every rank's
+            parameters (`restart.integrity`) every this many steps, before every persistent checkpoint, on the
+            state a re-entered fit starts from and on the final state; with N >= 2 a digest of each shard is also
+            compared every step. 0: none. Default: `checkpointless-run --integrity-every`, else 50.
         **kwargs: `MegatronStrategy`'s arguments (`tensor_model_parallel_size`, `ddp`, ...).
     """
 
     def __init__(self, *args: Any, num_instances: int | None = None,
                  num_distributed_optimizer_instances: int | None = None, global_batch_size: int = 0,
                  pg_timeout_s: float | None = None, checkpoint_every_n_steps: int | None = None,
-                 checkpoint_dir: str | None = None, verify_checksum: bool = True, **kwargs: Any) -> None:
+                 checkpoint_dir: str | None = None, verify_checksum: bool = True,
+                 integrity_every_n_steps: int | None = None, **kwargs: Any) -> None:
         # The recipe's model-parallel layout (set only by `checkpointless-train recipe=NAME script=...`; see
         # protocol.LAYOUT_ENV): a size the script leaves out is the recipe's, one it passes must be the recipe's.
         if any(os.environ.get(name) for name, _, _ in LAYOUT_ENV):
@@ -126,6 +138,10 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.global_batch_size = global_batch_size
         self.participant: MegatronParticipant | None = None
         self._step_hashes: list[bytes] | None = None  # every rank's data digest of the step in flight
+        self._integrity_every_arg = integrity_every_n_steps
+        self.integrity: IntegrityCheck | None = None  # the replicas' vote (built with the session)
+        self.step_digest_s = 0.0  # time this rank spent on its per-step shard digests
+        self._fits_in_generation = (-1, 0)  # (generation, fits of it entered): a vote's re-entry keeps its generation
         self.n_independent = False  # whether `nemo.numerics` replaced megatron's gradient reduction (at setup)
         self.dims: ParallelDims | None = None
         self.pg_timeout_s = pg_timeout_s
@@ -181,13 +197,27 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         session.membership.timeout_s = 2 * timeout + 60
         self.dims = session.dims
         self._session = session
+        every = self._integrity_every_arg
+        if every is None:
+            every = int(env_number(INTEGRITY_EVERY_ENV, 50))
+        if every < 0:
+            raise ConfigError("CheckpointlessMegatronStrategy(integrity_every_n_steps=...)", every, "must be >= 0",
+                              "use 0 (no check) or a number of steps, e.g. 50")
+        self.integrity = IntegrityCheck(session.engine, session.dims, every, int(env_number(INTEGRITY_FENCE_ENV, 2)),
+                                        records=published_records(session.store))
 
     def begin_generation(self, resume: tuple[dict[str, torch.Tensor], dict[str, Any]] | None) -> None:
         """Before a `fit` of the session's current generation: its default group is made from the launcher's store
-        (prefix `nemo/gen<g>/`), and `resume` (a `MegatronParticipant` state) is loaded once the model and
-        optimizer exist."""
+        (prefix `nemo/gen<g>/`; `nemo/gen<g>.<k>/` for its k-th re-entry after a vote), and `resume` (a
+        `MegatronParticipant` state) is loaded once the model and optimizer exist."""
         generation = self.session.membership.generation
-        self.pg_store = dist.PrefixStore(f"nemo/gen{generation}/", self.session.store)
+        # A fit entered again in the same generation (the replicas' vote repaired a copy or rolled back: no rank
+        # failed) makes its groups under a prefix of its own.
+        before, fits = self._fits_in_generation
+        fits = fits + 1 if before == generation else 0
+        self._fits_in_generation = (generation, fits)
+        self.pg_store = dist.PrefixStore(f"nemo/gen{generation}/" if not fits else f"nemo/gen{generation}.{fits}/",
+                                         self.session.store)
         self._quiet_barriers, self.barriers_skipped = generation > 0, 0
         self._restore_initialization()  # a fit that failed before its `setup` left it off
         self.resume = resume
@@ -426,7 +456,10 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.participant.at_step_boundary(step)
         every, checkpoints = (self.session.checkpoint_every, self.session.checkpoints) if self._session else (0, None)
         info = rank_info(self.dims, self.global_rank)
-        if (every and step and step % every == 0 and step != self.resume_step and checkpoints is not None
+        checkpoint_due = bool(every and step and step % every == 0 and step != self.resume_step)
+        if self._vote_due(step, checkpoint_due):  # a checkpoint is written once the replicas agree on it
+            self.vote(step)
+        if (checkpoint_due and checkpoints is not None
                 and info.instance == 0):  # one file per TP/PP slice and shard (`checkpoint_slot`)
             self._mark(step, progress.CHECKPOINT)
             checkpoints.save_shard(step, info.checkpoint_slot, *self.participant.boundary_state())
@@ -437,7 +470,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         with watch.interruptible() if watch is not None else contextlib.nullcontext():
             out = super().training_step(RecordingIterator(dataloader_iter), *args, **kwargs)
         if self._session is not None:
-            self._step_hashes = gather_step_hashes(self._session.membership.world())
+            self._gather_step_record(step)
         self._mark(step + 1, progress.BACKWARD_DONE)
         return out
 
@@ -450,6 +483,74 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self._step_hashes = None
         self._mark(self.trainer.global_step + 1, progress.STEP_DONE)
         return out
+
+    # ------------------------------------------------------------------------------- the replicas' vote
+    @property
+    def _votes(self) -> bool:
+        """The replicas can be compared: the check is on and there is more than one rank."""
+        return bool(self.integrity is not None and self.integrity.every_n_steps and self.world_size >= 2)
+
+    def _vote_due(self, step: int, checkpoint_due: bool) -> bool:
+        """At boundary `step`: when due (`integrity.every_n_steps`), before a persistent checkpoint, and at the
+        boundary a fit entered with a state (every rank of a generation alike: a recovery, a rollback or a repair
+        re-enters every rank's fit there) so that no step trains on a restore the copies disagree on."""
+        if not self._votes:
+            return False
+        assert self.integrity is not None
+        if step == self.resume_step:
+            return self._position_from_resume
+        return checkpoint_due or self.integrity.due(step)
+
+    def vote(self, step: int) -> str:
+        """The replicas' vote on the state of boundary `step` (`IntegrityCheck.run`, every rank of the world). On
+        "repair" this rank's state now is the majority's, RNG included; a rollback raises `RestartFromCheckpoint`
+        out of `fit`, a peer's failure meanwhile `PeerFailure`."""
+        part, check = self.participant, self.integrity
+        assert part is not None and check is not None
+        held = sum(t.numel() * t.element_size() for t in part.shard_tensors())
+        verdict = check.run(part, step, held)
+        if verdict == "repair":
+            part.restore_rng_now()  # the boundary's RNG is the majority's too
+        return verdict
+
+    def final_vote_due(self, step: int) -> bool:
+        """The vote on the final state (`CheckpointlessCallback.on_train_end`), unless this fit entered at that
+        boundary (it voted there)."""
+        return self._votes and not (self._position_from_resume and step == self.resume_step)
+
+    def _gather_step_record(self, step: int) -> None:
+        """The step's data record from every rank (`gather_step_hashes`) and, with N >= 2, each copy of each shard
+        compared with its replicas before the optimizer step reads it. A copy that differs: the replicas vote on the
+        state of the step's boundary; a repaired copy may have fed this step's forward (a shard's main params are
+        the parameters' own memory in fp32), so every rank leaves `fit` and trains the step again from the
+        boundary (`RedoStep`), as after a recovery; a vote without a majority rolls back."""
+        session, part, check = self.session, self.participant, self.integrity
+        assert part is not None
+        digest: int | None = None
+        if self._votes and self.num_instances >= 2:
+            t0 = time.perf_counter()
+            digest = part.shard_digest()
+            self.step_digest_s += time.perf_counter() - t0
+        world = session.membership.world()
+        self._step_hashes, digests = gather_step_hashes(world, digest)
+        if digests is None or check is None:
+            return
+        slots = torch.tensor([b for d in digests for b in d], dtype=torch.float32)
+        if check.copies_differ(slots, world.ranks) and self.vote(step) == "repair":
+            raise RedoStep(step)
+
+    def integrity_summary(self) -> dict[str, Any] | None:
+        """`summary.json["integrity"]`: the checks and their records (`IntegrityCheck.summary`) and this rank's time
+        on the per-step shard digests."""
+        if self.integrity is None:
+            return None
+        return {**self.integrity.summary(), "step_digest_s": round(self.step_digest_s, 4)}
+
+    def flip_bit(self, target: str = "shard") -> None:
+        """Fault plan kind `bitflip` (target shard, the only one on this engine): one bit of this rank's optimizer
+        shard flipped in memory (`MegatronParticipant.flip_bit`)."""
+        assert self.participant is not None
+        self.participant.flip_bit(self.global_rank)
 
     def _watch_param_gather(self) -> None:
         """Tell the participant when this rank's shard is updated and its instance's parameter all-gather starts

@@ -30,6 +30,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from nemo_checkpointless.state.integrity import word_sum
+
 
 class Collectives(Protocol):
     """The two collectives the optimizer runs; `restart.groups.Group` is one (this package does not import it, so
@@ -222,18 +224,7 @@ class ShardedOptimizer:
         of the shard's 32-bit words (16-bit for 2-byte types, bytes for 1-byte ones), mod 2^32. One pass over the
         shard and its state on the device, no copy, one host sync; any single flipped bit changes it. The
         integrity check compares it across the replicas every step (`restart.integrity.IntegrityCheck`)."""
-        sums = []
-        for t in self.shard_state().values():
-            flat = t.detach().reshape(-1)
-            size = flat.element_size()
-            if size >= 4 and flat.numel() * size % 4 == 0:
-                words = flat.view(torch.int32)
-            elif size == 2:
-                words = flat.view(torch.int16)
-            else:
-                words = flat.view(torch.uint8)
-            sums.append(words.sum(dtype=torch.int64))
-        return int(torch.stack([x.to(sums[0].device) for x in sums]).sum()) & 0xFFFFFFFF
+        return word_sum(self.shard_state().values())
 
     def shard_state(self) -> dict[str, torch.Tensor]:
         """This rank's optimizer state (and shard of the parameters), by name: what a replica must hold equal."""

@@ -41,7 +41,7 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 
-from nemo_checkpointless.protocol import STOP_KEY, samples_key
+from nemo_checkpointless.protocol import INTEGRITY_RECORDS_KEY, STOP_KEY, samples_key
 from nemo_checkpointless.restart.groups import PeerFailure
 from nemo_checkpointless.restart.recovery import Decision, Participant, RecoveryEngine, RestartFromCheckpoint
 from nemo_checkpointless.state.integrity import judge
@@ -86,6 +86,21 @@ def stop_job(store: Any, rank: int, message: str | None, exit_code: int = STOPPE
     os._exit(exit_code)
 
 
+def publish_records(store: Any, records: list[dict[str, Any]]) -> None:
+    """The job's integrity records so far, in the store (every rank that reached the verdict writes the same): a
+    process that starts later as a rank (a replacement of rank 0, a restarted job) begins with them
+    (`published_records`), so that `summary.json` tells every one. Written only when a record is made."""
+    store.set(INTEGRITY_RECORDS_KEY, json.dumps(records))
+
+
+def published_records(store: Any) -> list[dict[str, Any]]:
+    """The records `publish_records` left in the store (none yet: [])."""
+    if not store.check([INTEGRITY_RECORDS_KEY]):
+        return []
+    records: list[dict[str, Any]] = json.loads(store.get(INTEGRITY_RECORDS_KEY))
+    return records
+
+
 def _fence(rank: int, why: str) -> None:
     print(f"[rank {rank}] {why}: fenced, its process ends and a spare takes its place", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -108,6 +123,10 @@ class IntegrityCheck:
     # After a recovery: the boundary at which every rank checks, the end of the first step trained after it (the
     # same on survivors, which may be in the middle of that step, and on the ranks that joined)
     pending: int | None = None
+
+    def _keep(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        publish_records(self.engine.membership.store, self.records)
 
     def due(self, step: int) -> bool:
         if self.pending is not None and step >= self.pending:
@@ -155,7 +174,7 @@ class IntegrityCheck:
             world.all_reduce(flags)
             if not int(flags[0]):
                 record["repaired_from"] = {str(r): s for r, s in verdict.sources.items()}
-                self.records.append(record)
+                self._keep(record)
                 self.last_verified = step
                 self.check_s += time.perf_counter() - t0
                 for r in verdict.bad:
@@ -169,7 +188,7 @@ class IntegrityCheck:
         target = self.engine.checkpoints.latest(self.last_verified) if self.engine.checkpoints is not None else 0
         record["rolled_back_to"] = target
         self.last_verified = target
-        self.records.append(record)
+        self._keep(record)
         self.check_s += time.perf_counter() - t0
         raise RestartFromCheckpoint(Decision("checkpoint", target, verdict.bad, {},
                                              f"integrity check at step {step}: {record['reason']}; rolling back to "
@@ -224,12 +243,12 @@ class IntegrityCheck:
                                   "reason": story}
         if failed_before:
             record["decision"] = "stop"
-            self.records.append(record)
+            self._keep(record)
             stop_job(membership.store, me, f"{story}; the restore before it failed too, so the job stops instead "
                                            "of looping. Check the ranks named (memory, the node) and the "
                                            "checkpoint, then restart the job from the checkpoint")
         record.update(decision="rollback", rolled_back_to=target)
-        self.records.append(record)
+        self._keep(record)
         log.warning("rank %d: %s; rolling back to step %d", me, story, target)
         self.last_verified = target
         raise RestartFromCheckpoint(Decision("checkpoint", target, tuple(sorted(bad)), {},
@@ -258,6 +277,10 @@ class NanGuard:
     strikes: dict[int, int] = field(default_factory=dict)  # rank -> transient non-finite gradients it gave
     _first: tuple[int, list[int]] | None = None  # (step, ranks) of the step's first, non-finite attempt
 
+    def _keep(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        publish_records(self.store, self.records)
+
     def judge(self, step: int, norms: Mapping[int, float], samples: Callable[[], Any]) -> str:
         """`norms`: rank -> its own gradient norm this step; `samples()`: what this rank trained on in the step
         (sample ids per micro-batch), asked only when a record needs it."""
@@ -278,7 +301,7 @@ class NanGuard:
             for r in first[1]:
                 self.strikes[r] = self.strikes.get(r, 0) + 1
             record["strikes"] = {str(r): self.strikes[r] for r in first[1]}
-            self.records.append(record)
+            self._keep(record)
             print(f"[rank {self.rank}] integrity: step {step}: the non-finite gradient of rank(s) {first[1]} did not "
                   "come back when the step ran again: the rank(s) are suspect, not the batch", flush=True)
             if self.strikes.get(self.rank, 0) >= self.fence_after:
@@ -296,7 +319,7 @@ class NanGuard:
                 record["samples"][str(r)] = json.loads(self.store.get(samples_key(step, r)))
             except RuntimeError:  # that rank died meanwhile: the record says so
                 record["samples"][str(r)] = None
-        self.records.append(record)
+        self._keep(record)
         story = (f"step {step}: the gradient of rank(s) {sick} is not finite, and again when the step ran again "
                  "with the same batch: the batch gives it")
         if self.policy == "stop":  # the first rank it came from tells the story; the others wait for it
@@ -313,4 +336,4 @@ class NanGuard:
 
 
 __all__ = ["DIGEST_SLOTS", "STOPPED_EXIT_CODE", "Checked", "IntegrityCheck", "NanGuard", "PeerFailure", "encode_digest",
-           "stop_job"]
+           "publish_records", "published_records", "stop_job"]
