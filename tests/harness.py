@@ -93,6 +93,17 @@ def train_builtin(run_dir: Path, engine: str, *overrides: str, timeout_s: float 
     return summary
 
 
+def train_failing(run_dir: Path, engine: str, exit_code: int, *overrides: str, timeout_s: float = 600) -> str:
+    """One `checkpointless-train` of `engine`'s built-in job that must end with `exit_code`; returns its output."""
+    argv = [sys.executable, "-m", "nemo_checkpointless.cli.train", f"run.dir={run_dir}", *ENGINES[engine],
+            "trainer.progress_bar=false", *overrides]
+    proc = subprocess.run(argv, env=child_env(tests_on_path=True), cwd=REPO_ROOT, capture_output=True,
+                          timeout=timeout_s, check=False)
+    out = (proc.stdout + proc.stderr).decode(errors="replace")
+    assert proc.returncode == exit_code, f"exit code {proc.returncode}, expected {exit_code}\n{out[-5000:]}"
+    return out
+
+
 def finish_job(proc: subprocess.Popen[bytes], run_dir: Path, rank_file: str, timeout_s: float,
                world_size: int = 4) -> dict[str, Any]:
     """Wait for a `checkpointless-run` job; assert it succeeded (else show its output and every rank's log tail);

@@ -35,8 +35,17 @@ FULL_ONLY: dict[str, str] = {
     "test_recovery_e2e.py::test_the_restart_budget_counts_failures_in_a_row_not_the_runs_recoveries":
         "the budget's arithmetic over five kills",
     "test_integrity_engines.py::test_two_copies_that_differ_roll_back_to_the_last_verified_checkpoint_or_the_start":
-        "the rollback on both engines (four launches each); on the Lightning engine the PR tier rolls back in "
-        "test_integrity; the repair on both engines: test_three_copies_outvote...",
+        "the rollback on both engines (three launches each); on the Lightning engine the PR tier rolls back in "
+        "test_integrity; on the NeMo engine the repair's re-entry (test_three_copies_outvote...[nemo]) is the same "
+        "path with the boundary's own state",
+    "test_integrity_engines.py::test_three_copies_outvote_a_flipped_bit_with_the_default_settings[lightning]":
+        "the same repair on a user's Lightning script: test_integrity (PR tier)",
+    "test_integrity_engines.py::test_a_nan_is_attributed_and_trained_again_and_one_that_comes_back_is_skipped_or_stops_the_job":
+        "the NaN guard on both engines (three launches each); on the Lightning engine the PR tier runs it in "
+        "test_integrity; on the NeMo engine its step is trained again the way the PR tier's repair is",
+    "test_integrity_engines.py::test_a_restore_damaged_after_its_checksum_is_caught_and_rolled_back_twice_stops":
+        "the restore verification on both engines (three launches each); on the Lightning engine the PR tier runs "
+        "it in test_integrity; on the NeMo engine every re-entered fit verifies its restore in the PR tier's kills",
     "test_store_keys.py::test_a_long_job_ends_with_as_many_store_keys_as_a_short_one[nemo-2000]":
         "2,000 NeMo steps (~4 min); the Lightning engine's 300 steps run in the PR tier, and the NeMo engine's data "
         "record, which wrote a key per rank per step, is checked equal in every NeMo test's summary",

@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = run_job(cfg, run_dir)
     except LaunchError as e:
         print(f"checkpointless-train: error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code  # as checkpointless-run: a job the ranks stopped on purpose ends with 3
     except KeyboardInterrupt:
         print("checkpointless-train: interrupted", file=sys.stderr)
         return 130

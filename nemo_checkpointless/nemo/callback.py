@@ -28,7 +28,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from nemo_checkpointless.config import FAULT_KINDS, FaultSpec
+from nemo_checkpointless.config import FaultSpec
 from nemo_checkpointless.errors import ConfigError, SummaryError
 from nemo_checkpointless.nemo.digest import slice_digest
 from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
@@ -44,9 +44,6 @@ from nemo_checkpointless.restart import progress
 from nemo_checkpointless.restart.faults import fire_faults, slow_delay
 from nemo_checkpointless.state.hashing import state_digest
 from nemo_checkpointless.topology import rank_info
-
-LIGHTNING_ONLY_FAULTS = ("nan", "nan_batch", "corrupt_restore")
-NEMO_FAULTS = set(FAULT_KINDS) - set(LIGHTNING_ONLY_FAULTS)
 
 
 class CheckpointlessCallback(pl.Callback):
@@ -66,11 +63,6 @@ class CheckpointlessCallback(pl.Callback):
             fault_plan = [FaultSpec(**spec) for spec in json.loads(os.environ[FAULT_PLAN_ENV])]
         self.fault_plan = list(fault_plan or [])
         for i, spec in enumerate(self.fault_plan):
-            if spec.kind in LIGHTNING_ONLY_FAULTS:
-                raise ConfigError(f"fault.plan[{i}].kind", spec.kind,
-                                  "is injected by the Lightning engine's strategy (the NaN guard and the verification "
-                                  "of a restore run there); the NeMo engine does not run them in this release",
-                                  f"use one of the other kinds with NeMo ({', '.join(sorted(NEMO_FAULTS))})")
             if spec.kind == "bitflip" and spec.target == "param":
                 raise ConfigError(f"fault.plan[{i}].target", spec.target,
                                   "a bitflip in the parameters outside a rank's shard is injected by the Lightning "
@@ -113,7 +105,7 @@ class CheckpointlessCallback(pl.Callback):
 
         session.beacon.mark(trainer.global_step + 1, progress.STEP_START)
         fire_faults(self.fault_plan, session.env.rank, trainer.global_step + 1, store, corrupt,
-                    gather=strategy.kill_at_gather.add, bitflip=strategy.flip_bit)
+                    gather=strategy.kill_at_gather.add, bitflip=strategy.flip_bit, nan=strategy.poison_gradient)
         slow_delay()  # a `slow` fault that fired: this rank is a straggler from then on
 
     @override

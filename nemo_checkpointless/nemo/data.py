@@ -359,22 +359,21 @@ class RecordingIterator:
         return batch
 
 
-def gather_step_hashes(world: Any, shard_digest: int | None = None) -> tuple[list[bytes], list[bytes] | None]:
+def gather_step_hashes(world: Any, extra: bytes = b"") -> tuple[list[bytes], list[bytes]]:
     """Once the step's micro-batches are consumed and before its optimizer step: every rank's digest of them, in
     rank order, gathered over `world` (the generation's world group: 32 bytes a rank, one small all-gather a step).
     A rank that consumed none (a middle pipeline stage) contributes zeros. The participant folds them into its
     running data digest when the step completes (`MegatronParticipant.step_done`), so the record travels with
     the rank's state (a replacement receives it; a checkpoint holds it) and no store key is written per step.
 
-    With `shard_digest` (the per-step replica check, `MegatronParticipant.shard_digest`), each rank's 4 bytes of
-    it ride along; returned second, in rank order (else None)."""
-    extra = shard_digest.to_bytes(4, "little") if shard_digest is not None else b""
+    `extra` (the same length on every rank) rides along: the strategy's per-step checks (its shard's replica
+    digest, its own gradient norm). Returns the hashes and every rank's `extra`, in rank order."""
     size = HASH_BYTES + len(extra)
     mine = torch.tensor(list((take_step_digest() or bytes(HASH_BYTES)) + extra), dtype=torch.uint8)
     out = [torch.empty(size, dtype=torch.uint8) for _ in range(world.size)]
     world.all_gather(out, mine)
     rows = [bytes(t.tolist()) for t in out]
-    return [r[:HASH_BYTES] for r in rows], ([r[HASH_BYTES:] for r in rows] if extra else None)
+    return [r[:HASH_BYTES] for r in rows], [r[HASH_BYTES:] for r in rows]
 
 
 def take_step_digest() -> bytes | None:

@@ -55,9 +55,11 @@ def ddp_chunks(model: Sequence[Any]) -> list[Any]:
     return chunks
 
 
-def install(model: Sequence[Any], optimizer: Any) -> bool:
+def install(model: Sequence[Any], optimizer: Any, nan_check: bool = True) -> bool:
     """Install the N-independent gradient reduction on every dense bucket group of `model`'s DDP chunks and the
     matching gradient norm on `optimizer` (NeMo's wrapper, a `ChainedOptimizer` or a `DistributedOptimizer`).
+    `nan_check` False: megatron's check of the local gradients for NaN and Inf before the reduction (which raises
+    on the rank that has one) is left out, for the caller attributes them itself (`restart.integrity.NanGuard`).
     Returns False (nothing changed) where it does not apply; see the module's docstring."""
     chunks = ddp_chunks(model)
     for chunk in chunks:
@@ -74,7 +76,7 @@ def install(model: Sequence[Any], optimizer: Any) -> bool:
             if missing:
                 raise RuntimeError(f"megatron-core's bucket group lacks {sorted(set(missing))}: the N-independent "
                                    "gradient reduction (nemo_checkpointless.nemo.numerics) is built for 0.15.x")
-            bucket_group.start_grad_sync = types.MethodType(_make_start(group), bucket_group)
+            bucket_group.start_grad_sync = types.MethodType(_make_start(group, nan_check), bucket_group)
             bucket_group.finish_grad_sync = types.MethodType(_finish_grad_sync, bucket_group)
     norm = _make_grad_norm(chunks, dist.get_rank(chunks[0].dp_cp_group) == 0)
     for target in megatron_optimizers(optimizer):
@@ -94,13 +96,13 @@ def megatron_optimizers(optimizer: Any) -> list[Any]:
     return [optimizer]
 
 
-def _make_start(group: Any) -> Any:
+def _make_start(group: Any, nan_check: bool) -> Any:
     def start_grad_sync(self: Any) -> None:
         assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
         config = self.ddp_config
-        if config.check_for_nan_in_grad or config.check_for_large_grads:
-            self.check_grads(check_for_nan_or_inf=config.check_for_nan_in_grad,
-                             check_for_large=config.check_for_large_grads)
+        check_nan = bool(config.check_for_nan_in_grad and nan_check)
+        if check_nan or config.check_for_large_grads:
+            self.check_grads(check_for_nan_or_inf=check_nan, check_for_large=config.check_for_large_grads)
         overlap = bool(config.overlap_grad_reduce)
         works = []
         for bucket in self.buckets:

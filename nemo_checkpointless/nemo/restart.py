@@ -43,6 +43,16 @@ from nemo_checkpointless.restart.worker_env import die_by_signal, freeze_heap
 State = tuple[dict[str, torch.Tensor], dict[str, Any]]
 
 
+class SkipStep(Exception):  # a control-flow signal, not an error
+    """Raised out of `fit` on every rank alike: step `step + 1`'s gradient is not finite again with the same batch and
+    `integrity.nan_policy=skip`: the step counts as done without an update (the data moves on); every rank enters
+    `fit` again at boundary `step + 1` with its state of boundary `step`."""
+
+    def __init__(self, step: int, hashes: list[bytes] | None) -> None:
+        super().__init__(f"step {step + 1}'s batch gives a non-finite gradient: skipped")
+        self.step, self.hashes = step, hashes
+
+
 class RedoStep(Exception):  # a control-flow signal, not an error
     """Raised out of `fit` on every rank alike: the replicas' vote repaired a copy that step `step + 1` may have
     trained on; every rank enters `fit` again at boundary `step` and trains that step again."""
@@ -57,6 +67,7 @@ class MegatronDoor(Protocol):
     which imports this module): named here, so that nothing here imports the strategy."""
 
     participant: MegatronParticipant | None
+    restored: tuple[str, dict[int, int]]
     pg_timeout_s: float | None
     reentry: dict[str, float]
     fault_watch: FaultWatch | None
@@ -127,7 +138,7 @@ class InProcessLauncher(_Launcher):
                     return function(*args, **kwargs)
             except (InjectedFault, ConfigError, SummaryError):  # this rank's own failure, a user's error: no peer's
                 raise
-            except (RestartFromCheckpoint, RedoStep) as again:  # the replicas' vote, every rank alike: no fault
+            except (RestartFromCheckpoint, RedoStep, SkipStep) as again:  # the checks' verdict, every rank alike
                 t, recovered = time.time(), False
                 resume, how = after_vote(strategy, again)
                 reset_for_reentry(trainer)
@@ -279,9 +290,11 @@ def entry_state(strategy: MegatronDoor) -> State | None:
                   "the checkpoint" if decision.step else "the seeded initial state")
         print(f"[rank {session.env.rank}] joined generation {session.membership.generation}: state of step "
               f"{decision.step} from {source}", flush=True)
+        strategy.restored = (decision.path, dict(decision.sources))
         return received.state
     if join.kind == "checkpoint":
         session.stamps.track(join.generation)
+        strategy.restored = ("checkpoint", {})
         return checkpoint_state(strategy, join.step)
     return None
 
@@ -306,19 +319,30 @@ def _timed_out(e: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def after_vote(strategy: MegatronDoor, again: RestartFromCheckpoint | RedoStep) -> tuple[State | None, str]:
-    """Every rank, out of a `fit` the replicas' vote ended (`restart.integrity`): the state the next `fit` (of
-    the same generation) starts from: the checkpoint's (a vote without a majority: roll back), or this rank's
-    own boundary state, repaired (train the step again). Lets the ended fit's megatron objects go."""
+def after_vote(strategy: MegatronDoor, again: RestartFromCheckpoint | RedoStep | SkipStep
+               ) -> tuple[State | None, str]:
+    """Every rank, out of a `fit` the integrity checks ended (`restart.integrity`): the state the next `fit` (of
+    the same generation) starts from: the checkpoint's (a vote without a majority: roll back), this rank's own
+    boundary state, repaired or not (train the step again: a repair, a non-finite gradient), or that state
+    counted one step on (a batch skipped). Lets the ended fit's megatron objects go."""
     part = strategy.participant
     assert part is not None
     if isinstance(again, RestartFromCheckpoint):
         resume = checkpoint_state(strategy, again.decision.step)
         how = f"rolled back to step {again.decision.step} ({again.decision.reason})"
+        strategy.restored = ("checkpoint", {})
+    elif isinstance(again, SkipStep):
+        # The RNG as the skipped step left it (a run that applied the step would go on from there too).
+        strategy.restored = ("p2p", {})
+        part.step_done(again.hashes)
+        part.at_step_boundary(part.completed_steps)
+        resume = part.boundary_state()
+        how = f"step {again.step + 1} skipped (its batch gives a non-finite gradient)"
     else:
+        strategy.restored = ("p2p", {})
         part.restore_rng_now()
         resume = own_boundary_state(part)
-        how = f"repaired by the replicas' vote, step {again.step + 1} again"
+        how = f"step {again.step + 1} again (a repaired copy, or a non-finite gradient)"
     release_fit(strategy.model, strategy.optimizers)
     strategy.participant = None
     return resume, how
@@ -352,11 +376,13 @@ def recover_in_process(strategy: MegatronDoor, error: Exception, watch: FaultWat
     try:
         decision = session.engine.recover(part, PeerFailure(f"{type(error).__name__} in NeMo's fit"))
         how = f"p2p at step {decision.step}"
+        strategy.restored = ("p2p", dict(decision.sources))
         if rank in decision.rolled_forward:  # loaded with a replica's state at the end of the step it was in
             resume = own_boundary_state(part)
             how += ", rolled forward"
     except RestartFromCheckpoint as restart:
         resume = checkpoint_state(strategy, restart.decision.step)
+        strategy.restored = ("checkpoint", {})
         how = f"from the checkpoint of step {restart.decision.step} ({restart.decision.reason})"
     release_fit(strategy.model, strategy.optimizers)  # else that fit's model and groups are never freed
     strategy.participant = None

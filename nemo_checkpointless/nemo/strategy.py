@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
+import math
 import os
+import struct
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -49,17 +52,24 @@ from nemo_checkpointless.errors import ConfigError  # noqa: E402
 from nemo_checkpointless.nemo import numerics  # noqa: E402
 from nemo_checkpointless.nemo.adapter import MegatronParticipant, distributed_optimizers  # noqa: E402
 from nemo_checkpointless.nemo.data import RecordingIterator, gather_step_hashes  # noqa: E402
-from nemo_checkpointless.nemo.restart import NEMO_DEFAULT_SEED, FaultWatch, InProcessLauncher, RedoStep  # noqa: E402
+from nemo_checkpointless.nemo.restart import (  # noqa: E402
+    NEMO_DEFAULT_SEED,
+    FaultWatch,
+    InProcessLauncher,
+    RedoStep,
+    SkipStep,
+)
 from nemo_checkpointless.protocol import (  # noqa: E402
     INTEGRITY_EVERY_ENV,
     INTEGRITY_FENCE_ENV,
     LAYOUT_ENV,
+    NAN_POLICY_ENV,
     NUM_INSTANCES_ENV,
     STORE_PORT_ENV,
 )
 from nemo_checkpointless.restart import objects, progress  # noqa: E402
 from nemo_checkpointless.restart.faults import kill_in_gather  # noqa: E402
-from nemo_checkpointless.restart.integrity import IntegrityCheck, published_records  # noqa: E402
+from nemo_checkpointless.restart.integrity import IntegrityCheck, NanGuard, published_records  # noqa: E402
 from nemo_checkpointless.restart.session import Session, env_number  # noqa: E402
 from nemo_checkpointless.state.checkpoint import CheckpointStore  # noqa: E402
 from nemo_checkpointless.topology import ParallelDims, rank_info  # noqa: E402
@@ -85,6 +95,10 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
             parameters (`restart.integrity`) every this many steps, before every persistent checkpoint, on the
             state a re-entered fit starts from and on the final state; with N >= 2 a digest of each shard is also
             compared every step. 0: none. Default: `checkpointless-run --integrity-every`, else 50.
+        nan_policy: a non-finite gradient is attributed to the rank it came from (each rank's own gradient norm
+            before the reduction rides the step's record) and its step trained again; when it comes back with the
+            same batch: "stop" the job naming the batch's data positions, or "skip" that batch. Default:
+            `checkpointless-run --nan-policy`, else "stop".
         **kwargs: `MegatronStrategy`'s arguments (`tensor_model_parallel_size`, `ddp`, ...).
     """
 
@@ -92,7 +106,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
                  num_distributed_optimizer_instances: int | None = None, global_batch_size: int = 0,
                  pg_timeout_s: float | None = None, checkpoint_every_n_steps: int | None = None,
                  checkpoint_dir: str | None = None, verify_checksum: bool = True,
-                 integrity_every_n_steps: int | None = None, **kwargs: Any) -> None:
+                 integrity_every_n_steps: int | None = None, nan_policy: str | None = None, **kwargs: Any) -> None:
         # The recipe's model-parallel layout (set only by `checkpointless-train recipe=NAME script=...`; see
         # protocol.LAYOUT_ENV): a size the script leaves out is the recipe's, one it passes must be the recipe's.
         if any(os.environ.get(name) for name, _, _ in LAYOUT_ENV):
@@ -142,6 +156,14 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.integrity: IntegrityCheck | None = None  # the replicas' vote (built with the session)
         self.step_digest_s = 0.0  # time this rank spent on its per-step shard digests
         self._fits_in_generation = (-1, 0)  # (generation, fits of it entered): a vote's re-entry keeps its generation
+        # How the state the next fit starts from was restored ("p2p" or "checkpoint") and, for p2p, which rank each
+        # replaced rank received it from: the restore's verification names them (set by `nemo.restart`).
+        self.restored: tuple[str, dict[int, int]] = ("p2p", {})
+        self._damage_next_load = False  # fault plan kind corrupt_restore: the next state loaded is damaged
+        self.nan_guard: NanGuard | None = None  # non-finite gradients, attributed (built with the session)
+        self._nan_policy_arg = nan_policy
+        self._poison: dict[int, bool] = {}  # fault plan kinds nan / nan_batch: step -> persistent
+        self._local_norm = 0.0  # this rank's own gradient norm in the step in flight, before the reduction
         self.n_independent = False  # whether `nemo.numerics` replaced megatron's gradient reduction (at setup)
         self.dims: ParallelDims | None = None
         self.pg_timeout_s = pg_timeout_s
@@ -205,6 +227,13 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
                               "use 0 (no check) or a number of steps, e.g. 50")
         self.integrity = IntegrityCheck(session.engine, session.dims, every, int(env_number(INTEGRITY_FENCE_ENV, 2)),
                                         records=published_records(session.store))
+        session.engine.damage = self._damage_restore  # fault plan kind corrupt_restore
+        policy = self._nan_policy_arg or os.environ.get(NAN_POLICY_ENV) or "stop"
+        if policy not in ("stop", "skip"):
+            raise ConfigError("CheckpointlessMegatronStrategy(nan_policy=...)", policy, "must be one of stop, skip",
+                              "use stop (end the job, naming the batch) or skip (drop that batch, with a record)")
+        self.nan_guard = NanGuard(session.store, session.env.rank, policy, self.integrity.fence_after,
+                                  records=self.integrity.records)
 
     def begin_generation(self, resume: tuple[dict[str, torch.Tensor], dict[str, Any]] | None) -> None:
         """Before a `fit` of the session's current generation: its default group is made from the launcher's store
@@ -359,7 +388,8 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
             self.global_batch_size = int(getattr(self.data_sampler, "global_batch_size", 0) or 0)
         info = rank_info(self.dims, self.global_rank)
         # The same gradient summation order and norm for every N (`nemo.numerics`), N=1 included.
-        self.n_independent = numerics.install(list(self.megatron_parallel), self.optimizers[0])
+        self.n_independent = numerics.install(list(self.megatron_parallel), self.optimizers[0],
+                                              nan_check=self.nan_guard is None)
         self.participant = MegatronParticipant(
             list(self.megatron_parallel), self.optimizers[0], dp_size=self.dims.dp_cp,
             num_instances=self.num_instances, shard_index=info.shard_index, tp_rank=info.tp_rank,
@@ -368,6 +398,9 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         if self.resume is not None:
             self.participant.load_state(*self.resume)
             self.resume = None  # the tensors belong to the previous fit's model: drop them once loaded
+            if self._damage_next_load:
+                self._damage_next_load = False
+                self.participant.flip_bit(self.global_rank)
             # The LR schedule continues from the loaded step (the loaded param groups hold its current LR; the
             # next scheduler step computes the LR of the step after it).
             for config in self.lr_scheduler_configs:
@@ -457,7 +490,13 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         every, checkpoints = (self.session.checkpoint_every, self.session.checkpoints) if self._session else (0, None)
         info = rank_info(self.dims, self.global_rank)
         checkpoint_due = bool(every and step and step % every == 0 and step != self.resume_step)
-        if self._vote_due(step, checkpoint_due):  # a checkpoint is written once the replicas agree on it
+        if self._verify_due(step):
+            # Every restore (a recovery, a rollback, a repair: every rank of the generation enters here with a state)
+            # is verified before the first step trains on it; one that fails rolls back (`RestartFromCheckpoint`).
+            assert self.integrity is not None
+            how, sources = self.restored
+            self.integrity.verify_restore(self.participant, step, sources, how)
+        elif self._vote_due(step, checkpoint_due):  # a checkpoint is written once the replicas agree on it
             self.vote(step)
         if (checkpoint_due and checkpoints is not None
                 and info.instance == 0):  # one file per TP/PP slice and shard (`checkpoint_slot`)
@@ -490,15 +529,17 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         """The replicas can be compared: the check is on and there is more than one rank."""
         return bool(self.integrity is not None and self.integrity.every_n_steps and self.world_size >= 2)
 
+    def _verify_due(self, step: int) -> bool:
+        """At the boundary a fit entered with a state (every rank of a generation alike: a recovery, a rollback or a
+        repair re-enters every rank's fit there): its restore is verified (`IntegrityCheck.verify_restore`)."""
+        return (self.integrity is not None and self.world_size >= 2 and self._position_from_resume
+                and step == self.resume_step)
+
     def _vote_due(self, step: int, checkpoint_due: bool) -> bool:
-        """At boundary `step`: when due (`integrity.every_n_steps`), before a persistent checkpoint, and at the
-        boundary a fit entered with a state (every rank of a generation alike: a recovery, a rollback or a repair
-        re-enters every rank's fit there) so that no step trains on a restore the copies disagree on."""
+        """At boundary `step`: when due (`integrity.every_n_steps`) and before a persistent checkpoint."""
         if not self._votes:
             return False
         assert self.integrity is not None
-        if step == self.resume_step:
-            return self._position_from_resume
         return checkpoint_due or self.integrity.due(step)
 
     def vote(self, step: int) -> str:
@@ -519,25 +560,59 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         return self._votes and not (self._position_from_resume and step == self.resume_step)
 
     def _gather_step_record(self, step: int) -> None:
-        """The step's data record from every rank (`gather_step_hashes`) and, with N >= 2, each copy of each shard
-        compared with its replicas before the optimizer step reads it. A copy that differs: the replicas vote on the
-        state of the step's boundary; a repaired copy may have fed this step's forward (a shard's main params are
-        the parameters' own memory in fp32), so every rank leaves `fit` and trains the step again from the
-        boundary (`RedoStep`), as after a recovery; a vote without a majority rolls back."""
+        """The step's data record from every rank (`gather_step_hashes`), with each rank's own gradient norm (before
+        the reduction) and, with N >= 2, its shard's replica digest riding along; then, before the optimizer step
+        reads anything, the checks:
+
+        - a copy of a shard that differs from its replicas: the replicas vote on the state of the step's boundary.
+          A repaired copy may have fed this step's forward (a shard's main params are the parameters' own memory in
+          fp32), so every rank leaves `fit` and trains the step again from the boundary (`RedoStep`), as after a
+          recovery; a vote without a majority rolls back (`RestartFromCheckpoint`);
+        - a rank whose gradient is not finite (`NanGuard`, the same verdict everywhere): the step is trained again
+          from its boundary (`RedoStep`); when it comes back, the job stops naming the batch, or the batch is
+          skipped (`SkipStep`: the step counts as done, nothing is updated, the data moves on)."""
         session, part, check = self.session, self.participant, self.integrity
         assert part is not None
-        digest: int | None = None
-        if self._votes and self.num_instances >= 2:
+        digests = self._votes and self.num_instances >= 2
+        extra = b""
+        if digests:
             t0 = time.perf_counter()
-            digest = part.shard_digest()
+            extra += part.shard_digest().to_bytes(4, "little")
             self.step_digest_s += time.perf_counter() - t0
+        if self.nan_guard is not None:
+            extra += struct.pack("<d", self._local_norm)
         world = session.membership.world()
-        self._step_hashes, digests = gather_step_hashes(world, digest)
-        if digests is None or check is None:
-            return
-        slots = torch.tensor([b for d in digests for b in d], dtype=torch.float32)
-        if check.copies_differ(slots, world.ranks) and self.vote(step) == "repair":
-            raise RedoStep(step)
+        self._step_hashes, extras = gather_step_hashes(world, extra)
+        if digests and check is not None:
+            slots = torch.tensor([b for e in extras for b in e[:4]], dtype=torch.float32)
+            if check.copies_differ(slots, world.ranks) and self.vote(step) == "repair":
+                raise RedoStep(step)
+        if self.nan_guard is not None:
+            norms = {r: struct.unpack("<d", e[-8:])[0] for r, e in zip(world.ranks, extras, strict=True)}
+            verdict = self.nan_guard.judge(step + 1, norms, functools.partial(self._step_positions, step + 1))
+            if verdict == "rerun":
+                raise RedoStep(step)
+            if verdict == "skip":
+                raise SkipStep(step, self._step_hashes)
+
+    def _step_positions(self, step: int) -> dict[str, Any]:
+        """What this rank trained on in step `step` (for a record): the global data positions of its micro-batches,
+        as Megatron's pretraining sampler hands them out (`[first, end)` each)."""
+        sampler: Any = self.data_sampler
+        mb = int(getattr(sampler, "micro_batch_size", 0) or 0)
+        gb = int(getattr(sampler, "global_batch_size", 0) or self.global_batch_size)
+        assert self.dims is not None
+        dp, dp_rank = self.dims.dp_cp, rank_info(self.dims, self.global_rank).dp_rank
+        if not mb or not gb:
+            return {"step": step}
+        start = (step - 1) * gb
+        return {"step": step, "data_positions": [[start + k * mb * dp + dp_rank * mb, start + k * mb * dp
+                                                  + (dp_rank + 1) * mb] for k in range(gb // (mb * dp))]}
+
+    def poison_gradient(self, step: int, persistent: bool) -> None:
+        """Fault plan kinds `nan` (once) and `nan_batch` (every time step `step` is computed on this rank): one
+        element of this rank's gradient is made NaN after the step's backward, before its reduction."""
+        self._poison[step] = persistent
 
     def integrity_summary(self) -> dict[str, Any] | None:
         """`summary.json["integrity"]`: the checks and their records (`IntegrityCheck.summary`) and this rank's time
@@ -546,6 +621,11 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
             return None
         return {**self.integrity.summary(), "step_digest_s": round(self.step_digest_s, 4)}
 
+    def _damage_restore(self) -> None:
+        """Fault plan kind `corrupt_restore` (the engine calls it once this rank restored a state, after its checksum
+        passed): the state is loaded into the model when the next fit sets up, and damaged there."""
+        self._damage_next_load = True
+
     def flip_bit(self, target: str = "shard") -> None:
         """Fault plan kind `bitflip` (target shard, the only one on this engine): one bit of this rank's optimizer
         shard flipped in memory (`MegatronParticipant.flip_bit`)."""
@@ -553,13 +633,30 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.participant.flip_bit(self.global_rank)
 
     def _watch_param_gather(self) -> None:
-        """Tell the participant when this rank's shard is updated and its instance's parameter all-gather starts
+        """Mark where the step's gradient reduction begins (the launcher's straggler report reads the rank's busy time
+        up to it), and tell the participant when this rank's shard is updated and its instance's parameter
+        all-gather starts
         (megatron's `DistributedOptimizer` calls `start_param_sync` on each of its `model_chunks`, megatron's DDP
         modules, right after its update; an instance attribute of this setup's chunks, nothing of megatron's classes
         changes). A fault plan's kill with target `gather` fires there."""
         participant = self.participant
         chunks = {id(c): c for leaf in distributed_optimizers(self.optimizers[0]) for c in leaf.model_chunks}
+        synced = [-1]  # the last step whose gradient reduction began (marked once a step, at its first chunk)
         for chunk in chunks.values():
+            finish = chunk.finish_grad_sync
+
+            def finish_grad_sync(*args: Any, _finish: Any = finish, **kwargs: Any) -> Any:
+                # The step's gradient reduction begins (megatron's `finalize_model_grads`, after the backward): the
+                # rank's own work of the step ends here (`progress.GRAD_SYNC`: its busy time, for stragglers).
+                assert participant is not None
+                step = participant.completed_steps + 1
+                if synced[0] != step:
+                    synced[0] = step
+                    self._mark(step, progress.GRAD_SYNC)
+                    self._before_reduction(step, chunks.values())
+                return _finish(*args, **kwargs)
+
+            chunk.finish_grad_sync = finish_grad_sync
             start = chunk.start_param_sync
 
             def start_param_sync(*args: Any, _start: Any = start, **kwargs: Any) -> Any:
@@ -571,6 +668,18 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
                 return _start(*args, **kwargs)
 
             chunk.start_param_sync = start_param_sync
+
+    def _before_reduction(self, step: int, chunks: Any) -> None:
+        """This rank's own gradients of step `step`, before any reduction: a fault plan's NaN lands in them, and
+        their norm goes to the step's record (the NaN guard's attribution)."""
+        buffers = [b for c in chunks for b in [*getattr(c, "buffers", []), *getattr(c, "expert_parallel_buffers", [])]]
+        if step in self._poison and buffers:
+            if not self._poison[step]:
+                del self._poison[step]
+            buffers[0].grad_data.view(-1)[0] = float("nan")
+            print(f"[rank {self.global_rank}] injected a NaN in its gradient of step {step}", flush=True)
+        if self.nan_guard is not None:
+            self._local_norm = math.sqrt(sum(float(b.grad_data.float().pow(2).sum()) for b in buffers))
 
     def _mark(self, step: int, phase: int) -> None:
         """Where this rank is in its step, for the launcher's progress watchdog (no session: nobody watches)."""

@@ -17,8 +17,9 @@ reduction begins), `STEP_DONE` (the optimizer step returned), `BATCH_END` (the c
 `busy_s` is the time the rank's step `busy_step` took from `STEP_START` to `GRAD_SYNC`, less the time it waited in
 collectives of the user's code on the way (`waited`): its own work before it waits for the others in the gradient
 reduction (the launcher's straggler report, `launcher.stragglers`). In a
-synchronous step every rank's whole step takes as long as the slowest one's; this part does not. The NeMo
-engine's reduction runs inside megatron's schedule, before any mark, so it has no `GRAD_SYNC` and no `busy_s`.
+synchronous step every rank's whole step takes as long as the slowest one's; this part does not. On the NeMo
+engine megatron's schedule reduces the gradients at the end of `training_step`; the strategy marks `GRAD_SYNC` as
+megatron's DDP begins it (`finish_grad_sync`).
 """
 
 from __future__ import annotations
