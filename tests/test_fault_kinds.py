@@ -152,6 +152,33 @@ def test_slow_fires_once_and_slows_every_step_after(monkeypatch: pytest.MonkeyPa
     assert json.loads(store.get(faults.injected_key(0)))["kind"] == "slow"
 
 
+def test_the_injector_holds_what_a_fired_fault_leaves_until_the_code_it_lands_in_asks() -> None:
+    store = dist.HashStore()
+    flips: list[str] = []
+    damaged: list[int] = []
+    injector = faults.Injector(1, store)
+    injector.attach(flips.append, damage=lambda: damaged.append(1))
+    injector.arm([FaultSpec("corrupt", 1, 2), FaultSpec("nan", 1, 3), FaultSpec("nan_batch", 1, 4),
+                  FaultSpec("bitflip", 1, 5), FaultSpec("bitflip", 1, 6, target="param"),
+                  FaultSpec("corrupt_restore", 1, 7), FaultSpec("grow", 1, 8), FaultSpec("nan", 0, 3)])
+    for step in range(1, 9):
+        injector.fire(step)
+    assert injector.corrupt_send() and not injector.corrupt_send()  # the next send, once
+    assert injector.poisoned(3) and not injector.poisoned(3)  # nan: once
+    assert injector.poisoned(4) and injector.poisoned(4)  # nan_batch: every time step 4 is computed
+    assert flips == ["shard"]  # a shard flip at once; a parameter flip at the step's end, once
+    assert injector.flip_param_now() and not injector.flip_param_now()
+    assert injector.grow_asked(8) and not injector.grow_asked(7)
+    injector.restored()  # the rank's count in the store: one damaged restore, whichever process restores
+    injector.restored()
+    assert damaged == [1]
+    for step in range(1, 9):  # fired once per job: a replacement of rank 1 (a new injector) fires nothing again
+        again = faults.Injector(1, store)
+        again.arm(injector.plan)
+        again.fire(step)
+        assert not again.corrupt_send() and not again.poisoned(step)
+
+
 RANK = """
 import os, sys, datetime
 import torch.distributed as dist

@@ -27,7 +27,7 @@ from nemo_checkpointless.protocol import (
     write_worker_summary,
 )
 from nemo_checkpointless.restart import PeerFailure, progress
-from nemo_checkpointless.restart.faults import fire_faults, slow_delay
+from nemo_checkpointless.restart.faults import slow_delay
 from nemo_checkpointless.state.hashing import batch_hash
 
 
@@ -79,12 +79,10 @@ class CheckpointlessCallback(Callback):
             store.set(TRAIN_START_KEY, json.dumps(time.time()))
 
     def _maybe_fail(self, strategy: CheckpointlessStrategy, step: int) -> None:
-        def corrupt() -> None:
-            strategy.session.engine.corrupt_next_send = True
-
-        fire_faults(self.fault_plan, strategy.global_rank, step, strategy.membership.store, corrupt,
-                    grow=strategy._grow_at.add, bitflip=strategy.flip_bit, nan=strategy.poison_gradient,
-                    gather=strategy._kill_at_gather.add)
+        faults = strategy.session.faults
+        if not faults.plan:
+            faults.arm(self.fault_plan)
+        faults.fire(step)
         slow_delay()  # a `slow` fault that fired: this rank is a straggler from then on
 
     @override

@@ -44,7 +44,6 @@ from nemo_checkpointless import protocol
 from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.replication import ShardedOptimizer
 from nemo_checkpointless.restart import Membership, PeerFailure, progress
-from nemo_checkpointless.restart.faults import kill_in_gather
 from nemo_checkpointless.restart.integrity import (
     DIGEST_SLOTS,
     IntegrityCheck,
@@ -287,7 +286,6 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._slot: int | None = None
         self._served_loader: _ServedBatches | None = None
         self._kept: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
-        self._grow_at: set[int] = set()  # steps at which this rank asks to grow back (fault plan kind `grow`)
         self._regroup = False  # the shrunk world agreed to grow back after the step just completed
         self._writer_instance = 0
         self._integrity_every_arg = integrity_every_n_steps
@@ -295,9 +293,6 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._step_digest_s = 0.0  # time this rank spent on its per-step replica digests (`shard_digest`)
         self._nan_policy_arg = nan_policy
         self.nan_guard: NanGuard | None = None  # non-finite gradients (built with the session)
-        self._poison: dict[int, bool] = {}  # fault plan kinds nan / nan_batch: step -> persistent
-        self._flip_param_at_step_end = False  # fault plan kind bitflip, target param
-        self._kill_at_gather: set[int] = set()  # fault plan kind kill, target gather: the steps
         self._entered_at = -1  # the boundary this fit started at, after a join or a restore (-1: a fresh start)
         self._cached: Any = None  # the CachedTrainLoader of the current fit
         env = os.environ
@@ -375,13 +370,13 @@ class CheckpointlessStrategy(ParallelStrategy):
         fence_after = int(env_number(protocol.INTEGRITY_FENCE_ENV, 2))
         self.integrity = IntegrityCheck(self._session.engine, self._session.dims, every, fence_after,
                                         records=published_records(self._session.store))
+        self._session.faults.attach(self.flip_bit)  # the fault plan's hooks (a restore damaged: a bit of the shard)
         policy = self._nan_policy_arg or os.environ.get(protocol.NAN_POLICY_ENV) or "stop"
         if policy not in ("stop", "skip"):
             raise ConfigError("CheckpointlessStrategy(nan_policy=...)", policy, "must be one of stop, skip",
                               "use stop (end the job, naming the batch) or skip (drop that batch, with a record)")
         self.nan_guard = NanGuard(self._session.membership.store, self._session.env.rank, policy, fence_after,
                                   records=self.integrity.records)
-        self._session.engine.damage = lambda: self.flip_bit("shard")  # fault plan kind corrupt_restore
 
     @property
     def shrink_enabled(self) -> bool:
@@ -776,13 +771,19 @@ class CheckpointlessStrategy(ParallelStrategy):
         return crc(flats), crc(shard), finite
 
     def flip_bit(self, target: str = "shard") -> None:
-        """Fault plan kinds `bitflip` and `corrupt_restore`: one bit flipped in memory, silently. `target` "shard":
-        this rank's optimizer shard (the first optimizer state tensor, e.g. AdamW's exp_avg; before the first step,
-        the shard's parameter slice); "param": this rank's copy of the parameters, outside its own shard, at the end
-        of the step in flight (after its all-gather: memory corrupted at rest, which the next forward would use)."""
+        """Fault plan kinds `bitflip` and `corrupt_restore` (`restart.faults.Injector`): one bit flipped in memory,
+        silently. `target` "shard": this rank's optimizer shard (the first optimizer state tensor, e.g. AdamW's
+        exp_avg; before the first step, the shard's parameter slice); "param": this rank's copy of the parameters,
+        outside its own shard (the injector calls it at the end of the step in flight, after its all-gather: memory
+        corrupted at rest, which the next forward would use)."""
         assert self.sharded is not None
         if target == "param":
-            self._flip_param_at_step_end = True
+            g = self.sharded.groups[0]
+            index = (g.hi + g.flat.numel() // 3) % g.flat.numel()  # outside [lo, hi) when the shard is a part
+            if g.lo <= index < g.hi:
+                index = (g.hi + 1) % g.flat.numel()
+            g.flat.view(torch.int32)[index] ^= 1 << 12
+            print(f"[rank {self.global_rank}] bitflip: bit 12 of element {index} of the parameters", flush=True)
             return
         state = self.sharded.shard_state()
         name = next((n for n in sorted(state) if not n.endswith(".param") and state[n].numel() > 1), None)
@@ -792,16 +793,11 @@ class CheckpointlessStrategy(ParallelStrategy):
         print(f"[rank {self.global_rank}] bitflip: bit 12 of element {flat.numel() // 3} of "
               f"{name or 'group0.param'}", flush=True)
 
-    def poison_gradient(self, step: int, persistent: bool) -> None:
+    def _apply_poison(self, step: int) -> None:
         """Fault plan kinds `nan` (once) and `nan_batch` (every time step `step` is computed on this rank): one
         element of this rank's gradient is made NaN after the step's backward, before the gradient all-reduce."""
-        self._poison[step] = persistent
-
-    def _apply_poison(self, step: int) -> None:
-        if step not in self._poison:
+        if not self.session.faults.poisoned(step):
             return
-        if not self._poison[step]:
-            del self._poison[step]
         assert self.sharded is not None
         grad = next(p.grad for p in self.sharded.parameters() if p.grad is not None)
         grad.view(-1)[0] = float("nan")
@@ -927,7 +923,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         for slot, digest in self._step_hashes.items():
             side[:hashes] += encode_hash(digest, slot, world)
         if self.membership.active is not None and (
-                step in self._grow_at or self.membership.store.check([protocol.GROW_KEY])):
+                self.session.faults.grow_asked(step) or self.membership.store.check([protocol.GROW_KEY])):
             side[hashes] = 1.0  # a shrunk world: this rank asks to grow back after this step
         compare = True  # the replicas' digests this step (off once a vote found equal states: never loop on it)
         replay = False
@@ -973,8 +969,7 @@ class CheckpointlessStrategy(ParallelStrategy):
                 if verdict == "skip":
                     self.sharded.discard(count_step=True)
                 else:
-                    if step in self._kill_at_gather:
-                        kill_in_gather(self.global_rank, step)
+                    self.session.faults.kill_in_gather(step)  # fault plan kind kill, target gather
                     self.sharded.apply()
                 break
             except PeerFailure as failure:
@@ -985,14 +980,8 @@ class CheckpointlessStrategy(ParallelStrategy):
                 if self.sharded.completed_steps == step:  # rolled forward: completed from a replica (`finish_step`)
                     break
         assert summed is not None  # the step's gradient all-reduce completed (a step is never done without it)
-        if self._flip_param_at_step_end:  # fault plan kind bitflip, target param
-            self._flip_param_at_step_end = False
-            g = self.sharded.groups[0]
-            index = (g.hi + g.flat.numel() // 3) % g.flat.numel()  # outside [lo, hi) when the shard is a part
-            if g.lo <= index < g.hi:
-                index = (g.hi + 1) % g.flat.numel()
-            g.flat.view(torch.int32)[index] ^= 1 << 12
-            print(f"[rank {self.global_rank}] bitflip: bit 12 of element {index} of the parameters", flush=True)
+        if self.session.faults.flip_param_now():  # fault plan kind bitflip, target param
+            self.flip_bit("param")
         self.data_digest.update(decode_hashes(summed[:hashes]))
         # Every rank of the shrunk world sees the same sum: they all leave at the next boundary, or none does.
         self._regroup = self.membership.active is not None and bool(summed[hashes] > 0)

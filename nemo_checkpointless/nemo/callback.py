@@ -41,7 +41,7 @@ from nemo_checkpointless.protocol import (
     write_worker_summary,
 )
 from nemo_checkpointless.restart import progress
-from nemo_checkpointless.restart.faults import fire_faults, slow_delay
+from nemo_checkpointless.restart.faults import slow_delay
 from nemo_checkpointless.state.hashing import state_digest
 from nemo_checkpointless.topology import rank_info
 
@@ -100,12 +100,10 @@ class CheckpointlessCallback(pl.Callback):
         if mark_process_training(store) and session.env.rank == 0 and not store.check([TRAIN_START_KEY]):
             store.set(TRAIN_START_KEY, json.dumps(time.time()))
 
-        def corrupt() -> None:
-            session.engine.corrupt_next_send = True
-
-        session.beacon.mark(trainer.global_step + 1, progress.STEP_START)
-        fire_faults(self.fault_plan, session.env.rank, trainer.global_step + 1, store, corrupt,
-                    gather=strategy.kill_at_gather.add, bitflip=strategy.flip_bit, nan=strategy.poison_gradient)
+        faults = session.faults
+        if not faults.plan:
+            faults.arm(self.fault_plan)
+        faults.fire(trainer.global_step + 1)
         slow_delay()  # a `slow` fault that fired: this rank is a straggler from then on
 
     @override

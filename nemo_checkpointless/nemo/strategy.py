@@ -68,7 +68,6 @@ from nemo_checkpointless.protocol import (  # noqa: E402
     STORE_PORT_ENV,
 )
 from nemo_checkpointless.restart import objects, progress  # noqa: E402
-from nemo_checkpointless.restart.faults import kill_in_gather  # noqa: E402
 from nemo_checkpointless.restart.integrity import IntegrityCheck, NanGuard, published_records  # noqa: E402
 from nemo_checkpointless.restart.session import Session, env_number  # noqa: E402
 from nemo_checkpointless.state.checkpoint import CheckpointStore  # noqa: E402
@@ -162,7 +161,6 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self._damage_next_load = False  # fault plan kind corrupt_restore: the next state loaded is damaged
         self.nan_guard: NanGuard | None = None  # non-finite gradients, attributed (built with the session)
         self._nan_policy_arg = nan_policy
-        self._poison: dict[int, bool] = {}  # fault plan kinds nan / nan_batch: step -> persistent
         self._local_norm = 0.0  # this rank's own gradient norm in the step in flight, before the reduction
         self.n_independent = False  # whether `nemo.numerics` replaced megatron's gradient reduction (at setup)
         self.dims: ParallelDims | None = None
@@ -183,7 +181,6 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         # the config's init methods a resuming fit replaced with a no-op, by field (None: none replaced)
         self._init_before: dict[str, Any] | None = None
         self.built_uninitialised = False  # the last fit's model was built without initialisation (a resume)
-        self.kill_at_gather: set[int] = set()  # fault plan kind kill, target gather: the steps (1-based)
         self._quiet_barriers = False  # a re-entered fit's set-up: Lightning's barriers are skipped (`barrier`)
         self.barriers_skipped = 0  # by the current generation's fit
 
@@ -227,7 +224,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
                               "use 0 (no check) or a number of steps, e.g. 50")
         self.integrity = IntegrityCheck(session.engine, session.dims, every, int(env_number(INTEGRITY_FENCE_ENV, 2)),
                                         records=published_records(session.store))
-        session.engine.damage = self._damage_restore  # fault plan kind corrupt_restore
+        session.faults.attach(self.flip_bit, damage=self._damage_restore)  # the fault plan's hooks
         policy = self._nan_policy_arg or os.environ.get(NAN_POLICY_ENV) or "stop"
         if policy not in ("stop", "skip"):
             raise ConfigError("CheckpointlessMegatronStrategy(nan_policy=...)", policy, "must be one of stop, skip",
@@ -609,11 +606,6 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         return {"step": step, "data_positions": [[start + k * mb * dp + dp_rank * mb, start + k * mb * dp
                                                   + (dp_rank + 1) * mb] for k in range(gb // (mb * dp))]}
 
-    def poison_gradient(self, step: int, persistent: bool) -> None:
-        """Fault plan kinds `nan` (once) and `nan_batch` (every time step `step` is computed on this rank): one
-        element of this rank's gradient is made NaN after the step's backward, before its reduction."""
-        self._poison[step] = persistent
-
     def integrity_summary(self) -> dict[str, Any] | None:
         """`summary.json["integrity"]`: the checks and their records (`IntegrityCheck.summary`) and this rank's time
         on the per-step shard digests."""
@@ -622,8 +614,8 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         return {**self.integrity.summary(), "step_digest_s": round(self.step_digest_s, 4)}
 
     def _damage_restore(self) -> None:
-        """Fault plan kind `corrupt_restore` (the engine calls it once this rank restored a state, after its checksum
-        passed): the state is loaded into the model when the next fit sets up, and damaged there."""
+        """Fault plan kind `corrupt_restore` (`restart.faults.Injector`, once this rank restored a state, after its
+        checksum passed): the state is loaded into the model when the next fit sets up, and damaged there."""
         self._damage_next_load = True
 
     def flip_bit(self, target: str = "shard") -> None:
@@ -663,8 +655,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
                 assert participant is not None
                 participant.gathering()
                 step = participant.completed_steps + 1
-                if step in self.kill_at_gather:
-                    kill_in_gather(self.global_rank, step)
+                self.session.faults.kill_in_gather(step)  # fault plan kind kill, target gather
                 return _start(*args, **kwargs)
 
             chunk.start_param_sync = start_param_sync
@@ -673,9 +664,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         """This rank's own gradients of step `step`, before any reduction: a fault plan's NaN lands in them, and
         their norm goes to the step's record (the NaN guard's attribution)."""
         buffers = [b for c in chunks for b in [*getattr(c, "buffers", []), *getattr(c, "expert_parallel_buffers", [])]]
-        if step in self._poison and buffers:
-            if not self._poison[step]:
-                del self._poison[step]
+        if buffers and self._session is not None and self._session.faults.poisoned(step):  # fault plan nan, nan_batch
             buffers[0].grad_data.view(-1)[0] = float("nan")
             print(f"[rank {self.global_rank}] injected a NaN in its gradient of step {step}", flush=True)
         if self.nan_guard is not None:

@@ -19,7 +19,7 @@ class InjectedFault(RuntimeError):
     """The `exception` fault of a fault plan."""
 
 
-__all__ = ["SLOW_S", "InjectedFault", "fire_faults", "injected_key", "slow_delay"]
+__all__ = ["SLOW_S", "InjectedFault", "Injector", "fire_faults", "injected_key", "slow_delay"]
 
 SLOW_S = 0.2  # the `slow` fault: this much longer, every step from the one it fired at
 OOM_HEADROOM = 32 << 20  # the `oom` fault: the address-space limit it sets, above what the process maps now
@@ -155,3 +155,92 @@ def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: 
                 grow(step)
         else:
             raise InjectedFault(f"injected fault: exception on rank {rank} at step {step}")
+
+
+class Injector:
+    """One rank's fault plan (tests, benchmarks), for every door and the recovery engine: what a fired fault leaves
+    for later is held here, and the code it lands in asks for it where it lands (the hooks below), so that no
+    production type carries fault state of its own. One per process (the session's `faults`), across fits.
+
+    The door's strategy gives it, once its session exists, how to flip a bit of its state and how to damage a state
+    it restores (`attach`); its callback gives it the plan (`arm`) and calls `fire(step)` as each step starts.
+    Then:
+    - the door asks `kill_in_gather(step)` after the step's gradient reduction, `poisoned(step)` before it (a NaN in
+      its own gradient), `flip_param_now()` at the step's end, `grow_asked(step)` (a shrunk world asks to grow);
+    - the recovery engine asks `corrupt_send()` after it took the checksum of a state it sends, and calls
+      `restored()` once this rank restored a state (the `corrupt_restore` count in the store says whether it is
+      damaged: the door's `damage`)."""
+
+    def __init__(self, rank: int, store: Any) -> None:
+        self.rank, self.store = rank, store
+        self.plan: list[Any] = []
+        self._bitflip: Callable[[str], None] | None = None
+        self._damage: Callable[[], None] | None = None
+        self._gather: set[int] = set()
+        self._poison: dict[int, bool] = {}  # step -> every time it is computed (nan_batch) or once (nan)
+        self._grow: set[int] = set()
+        self._corrupt_send = False
+        self._flip_param = False
+
+    def attach(self, bitflip: Callable[[str], None], damage: Callable[[], None] | None = None) -> None:
+        """The door's hooks: `bitflip(target)` flips a bit of its state (`target`: "shard", "param"); `damage()`
+        damages the state it just restored (default: `bitflip("shard")`)."""
+        self._bitflip = bitflip
+        self._damage = damage if damage is not None else lambda: bitflip("shard")
+
+    def arm(self, plan: Sequence[Any]) -> None:
+        """The plan this rank fires from (`FaultSpec`s), once per process: a plan armed again is the same plan."""
+        self.plan = list(plan)
+
+    def fire(self, step: int) -> None:
+        """At the start of 1-based step `step` (`fire_faults`)."""
+        if not self.plan:
+            return
+        fire_faults(self.plan, self.rank, step, self.store, self._set_corrupt_send, grow=self._grow.add,
+                    bitflip=self._flip, nan=self._poison.__setitem__, gather=self._gather.add)
+
+    def _set_corrupt_send(self) -> None:
+        self._corrupt_send = True
+
+    def _flip(self, target: str) -> None:
+        if target == "param":
+            self._flip_param = True  # at the end of the step in flight, after its all-gather
+        elif self._bitflip is not None:
+            self._bitflip(target)
+
+    def kill_in_gather(self, step: int) -> None:
+        """After step `step`'s gradient reduction, as its parameter all-gather starts: a `kill` with target
+        `gather` ends the process here."""
+        if step in self._gather:
+            kill_in_gather(self.rank, step)
+
+    def poisoned(self, step: int) -> bool:
+        """Whether this rank's gradient of step `step` gets a NaN now (`nan`: once; `nan_batch`: every time)."""
+        if step not in self._poison:
+            return False
+        if not self._poison[step]:
+            del self._poison[step]
+        return True
+
+    def flip_param_now(self) -> bool:
+        """At the end of the step in flight: a `bitflip` with target `param` flips a parameter now (once)."""
+        flip, self._flip_param = self._flip_param, False
+        return flip
+
+    def grow_asked(self, step: int) -> bool:
+        return step in self._grow
+
+    def corrupt_send(self) -> bool:
+        """The state being sent is damaged after its checksum (`corrupt`, once)."""
+        corrupt, self._corrupt_send = self._corrupt_send, False
+        return corrupt
+
+    def restored(self) -> None:
+        """This rank just restored a state, after its checksum passed: damaged if the store's `corrupt_restore`
+        count for the rank says so (it counts restores by any process of the rank, so a replacement's is)."""
+        key = corrupt_restore_key(self.rank)
+        if self._damage is None or not self.store.check([key]) or self.store.add(key, 0) <= 0:
+            return
+        self.store.add(key, -1)
+        print(f"[rank {self.rank}] injected fault: corrupt_restore (the state just restored is damaged)", flush=True)
+        self._damage()

@@ -35,7 +35,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,11 +48,11 @@ from nemo_checkpointless.protocol import (
     LAUNCHER_PID_ENV,
     STEP_TIMES_KEY,
     GenerationInfo,
-    corrupt_restore_key,
     generation_info_key,
     record_key,
     regroup_key,
 )
+from nemo_checkpointless.restart.faults import Injector
 from nemo_checkpointless.restart.groups import CollectiveTimeout, Membership, PeerFailure, alive_key, hang_key
 from nemo_checkpointless.state.checkpoint import CheckpointStore
 from nemo_checkpointless.state.packing import PackError, checksum, pack, unpack
@@ -231,11 +231,8 @@ class RecoveryEngine:
         # How much longer than its collective timeout the launcher may take to publish a generation (a fault that
         # waits for a starting spare before the job shrinks: replication.replacement_timeout_s).
         self.extra_patience_s = 0.0
-        # Fault injection (fault.plan kind=corrupt): damage the next state sent, after its checksum is taken.
-        self.corrupt_next_send = False
-        # Fault injection (kind=corrupt_restore): how the participant damages its state in memory (a flipped bit);
-        # applied after a restore while the rank's counter in the store says so.
-        self.damage: Callable[[], None] | None = None
+        # The fault plan's hooks (`restart.faults.Injector`: kinds corrupt and corrupt_restore); None: no plan.
+        self.faults: Injector | None = None
 
     @property
     def store(self) -> dist.Store:
@@ -370,9 +367,8 @@ class RecoveryEngine:
                 tensors, meta = participant.boundary_state()
                 buf = pack(tensors, meta)
                 digest = bytes.fromhex(checksum(buf))
-                if self.corrupt_next_send:
+                if self.faults is not None and self.faults.corrupt_send():
                     buf[buf.numel() // 2] ^= 0x10
-                    self.corrupt_next_send = False
                 header = torch.tensor([buf.numel(), *(int.from_bytes(digest[i : i + 8], "little", signed=True)
                                                       for i in range(0, 32, 8))], dtype=torch.int64)
                 world.send(header, dst, tag=1)
@@ -404,14 +400,9 @@ class RecoveryEngine:
         return ok
 
     def _maybe_damage_restored(self) -> None:
-        """Fault plan kind `corrupt_restore`: damage the state this rank just restored, after its checksum passed."""
-        key = corrupt_restore_key(self.membership.rank)
-        if self.damage is None or not self.store.check([key]) or self.store.add(key, 0) <= 0:
-            return
-        self.store.add(key, -1)
-        log.warning("rank %d: injected fault: corrupt_restore (the state just restored is damaged)",
-                    self.membership.rank)
-        self.damage()
+        """Fault plan kind `corrupt_restore`: the state this rank just restored may be damaged, after its checksum."""
+        if self.faults is not None:
+            self.faults.restored()
 
     def load_checkpoint(self, participant: Participant, step: int) -> None:
         """Load this rank's shard of checkpoint `step` (0: nothing to load, the seeded initial state stands)."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from nemo_checkpointless import protocol
 from nemo_checkpointless.errors import ConfigError
+from nemo_checkpointless.restart.faults import Injector
 from nemo_checkpointless.restart.groups import Membership, connect_store
 from nemo_checkpointless.restart.progress import ProgressBeacon
 from nemo_checkpointless.restart.recovery import RecoveryEngine, RecoveryStamps
@@ -64,10 +65,13 @@ class Session:
     join: JoinSpec = field(default_factory=JoinSpec)
     stamps: RecoveryStamps = field(init=False)
     beacon: ProgressBeacon = field(init=False)  # where this rank's training thread is (the launcher's watchdog)
+    faults: Injector = field(init=False)  # the fault plan's hooks (armed by the door's callback; empty: no plan)
 
     def __post_init__(self) -> None:
         self.stamps = RecoveryStamps(self.membership.store, self.env.rank)
         self.beacon = ProgressBeacon(self.env.run_dir, self.env.rank)
+        self.faults = Injector(self.env.rank, self.membership.store)
+        self.engine.faults = self.faults
 
     @property
     def store(self) -> Any:
