@@ -331,6 +331,9 @@ class LauncherConfig:
     # Where checkpointless-train sends the job: local (this machine; with several nodes, the agent of
     # `node_rank`), k8s (writes a Kubeflow PyTorchJob manifest), slurm (writes an sbatch script).
     target: str = "local"
+    # The ranks' DEBUG lines too (`restart.logs`: a re-entered fit's set-up times, where a replacement's first batch
+    # came from); without it a rank says what a user must know: faults, recoveries, integrity verdicts, stops.
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         if self.node_rank < 0:

@@ -39,6 +39,7 @@ NUM_INSTANCES_ENV = f"{ENV_PREFIX}NUM_INSTANCES"
 SHRINK_ENV = f"{ENV_PREFIX}SHRINK"
 # integrity.every_n_steps, integrity.fence_after: the cross-replica check (`restart.integrity`)
 INTEGRITY_EVERY_ENV = f"{ENV_PREFIX}INTEGRITY_EVERY_N_STEPS"
+VERBOSE_ENV = f"{ENV_PREFIX}VERBOSE"  # launcher.verbose: "1" shows the ranks' DEBUG lines (`restart.logs`)
 INTEGRITY_FENCE_ENV = f"{ENV_PREFIX}INTEGRITY_FENCE_AFTER"
 NAN_POLICY_ENV = f"{ENV_PREFIX}INTEGRITY_NAN_POLICY"  # integrity.nan_policy
 REPLACEMENT_TIMEOUT_ENV = f"{ENV_PREFIX}REPLACEMENT_TIMEOUT_S"

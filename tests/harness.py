@@ -93,6 +93,14 @@ def train_builtin(run_dir: Path, engine: str, *overrides: str, timeout_s: float 
     return summary
 
 
+def said(logs: str, rank: int, text: str) -> list[str]:
+    """The lines of `logs` in which rank `rank` said `text` (`restart.logs`: `[rank R gen G step S] text...`)."""
+    import re
+
+    pattern = re.compile(rf"\[rank {rank}(?: [^\]]*)?\] {re.escape(text)}")
+    return [line for line in logs.splitlines() if pattern.search(line)]
+
+
 def train_failing(run_dir: Path, engine: str, exit_code: int, *overrides: str, timeout_s: float = 600) -> str:
     """One `checkpointless-train` of `engine`'s built-in job that must end with `exit_code`; returns its output."""
     argv = [sys.executable, "-m", "nemo_checkpointless.cli.train", f"run.dir={run_dir}", *ENGINES[engine],

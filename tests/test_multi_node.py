@@ -102,11 +102,11 @@ def _assert_equal(reference: dict[str, Any], run_dir: Path, out: str) -> dict[st
 
 
 def _detections(tmp_path: Path, run_dir: Path) -> list[tuple[int, str]]:
-    """Each survivor's account of what ended its collective when it found a fault (`restart.recovery`: "rank R:
-    WHAT; recovering"), from every process's log (rank 0's is its agent's output, node<i>.log)."""
+    """Each survivor's account of what ended its collective when it found a fault (`restart.recovery`: "[rank R
+    gen G step S] WHAT; recovering"), from every process's log (rank 0's is its agent's output, node<i>.log)."""
     logs = [*tmp_path.glob("node*.log"), *(run_dir / "logs").glob("*.log")]
     text = "".join(p.read_text(errors="replace") for p in logs)
-    return [(int(rank), what) for rank, what in re.findall(r"^rank (\d+): (.*); recovering$", text, re.M)]
+    return [(int(rank), what) for rank, what in re.findall(r"^\[rank (\d+)[^\]]*\] (.*); recovering$", text, re.M)]
 
 
 def _lose_node(fabric: Fabric, run_dir: Path, name: str, agents: dict[int, subprocess.Popen[bytes]]) -> int:

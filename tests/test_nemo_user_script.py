@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 import steplog
-from harness import child_env, finish_job, job_progress
+from harness import child_env, finish_job, job_progress, said
 
 from nemo_checkpointless.launcher.procs import rank_pids
 
@@ -143,7 +143,7 @@ def test_model_parallel_kill_recovers_p2p_and_ends_equal(layout: tuple[str, str]
     # collective timeout then declared a second failure. A longer timeout keeps this test on the one recovery it
     # is about should the warm-up fail.
     summary = _finish(_launch(run_dir, "--spares", "1", "--fault", "kill:1:6", "--collective-timeout", "30",
-                              script_args=(*layout, "--mmap")), run_dir)
+                              "--verbose", script_args=(*layout, "--mmap")), run_dir)
     _assert_equal(reference, summary)  # through the cache, equal to the bare module's fault-free run
     (record,) = summary["recoveries"]
     assert record["path"] == "p2p" and record["resumed_from_step"] == 5 and record["steps_lost"] == 0, record
@@ -152,10 +152,10 @@ def test_model_parallel_kill_recovers_p2p_and_ends_equal(layout: tuple[str, str]
     # under PP=2 (rank 1 writes: its replacement adopts what it left). The replacement's first micro-batch is in
     # shared memory; the loader counts micro-batch steps (one micro-batch per DP rank: 8 / (2 x 2) per step).
     spare_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("spare_*"))
-    assert f"[rank 1] data: first batch at step {5 * 8 // (2 * 2)} from the cache" in spare_logs, spare_logs[-3000:]
+    assert said(spare_logs, 1, f"data: first batch at step {5 * 8 // (2 * 2)} from the cache"), spare_logs[-3000:]
     assert summary["ranks"][1]["data_cache"]["hits"] > 0, summary["ranks"][1]
     # The replacement's first step compiled nothing: its spare compiled this layout's graphs, TP slices included.
-    back = [line for line in spare_logs.splitlines() if line.startswith("[rank 1] back in fit:")]
+    back = said(spare_logs, 1, "back in fit:")
     assert len(back) == 1 and back[0].endswith("(0 graphs compiled)"), back
     if layout[0] != "--tp":
         return

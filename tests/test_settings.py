@@ -31,12 +31,13 @@ def _config() -> Config:
     cfg.checkpoint.every_n_steps = 6
     cfg.integrity.every_n_steps = 7
     cfg.integrity.nan_policy = "skip"
+    cfg.launcher.verbose = True
     return cfg
 
 
 WANT = {protocol.START_TIMEOUT_ENV: "37.0", protocol.COLLECTIVE_TIMEOUT_ENV: "9.0",
         protocol.CHECKPOINT_EVERY_ENV: "6", protocol.INTEGRITY_EVERY_ENV: "7", protocol.NAN_POLICY_ENV: "skip",
-        protocol.NUM_INSTANCES_ENV: "2"}
+        protocol.NUM_INSTANCES_ENV: "2", protocol.VERBOSE_ENV: "1"}
 
 
 def _jobs(tmp_path: Path) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import steplog
-from harness import child_env, finish_job, job_progress
+from harness import child_env, finish_job, job_progress, said
 
 from nemo_checkpointless.launcher.procs import job_pids, rank_pids
 
@@ -216,11 +216,11 @@ def test_datamodule_dict_batches_accumulation_recovered_equal(tmp_path: Path) ->
     # plain run), and rank 1's replacement reads its first batch (step 12's first micro-batch: 16 + 6) from the
     # job's shared-memory cache, where rank 1 had prefetched it before it was killed.
     run_dir = tmp_path / "faults-mmap"
-    summary = _run(run_dir, "--spares", "1", "--fault", "kill:1:12", script_args=(*DICTS, "--mmap"))
+    summary = _run(run_dir, "--spares", "1", "--fault", "kill:1:12", "--verbose", script_args=(*DICTS, "--mmap"))
     _assert_equal(reference, summary, 30)
     _assert_ran(summary, 30, killed={1: 1}, reference=reference)
     spare_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("spare_*.log"))
-    assert "[rank 1] data: first batch (micro-batch 22 of the run) from the cache" in spare_logs, spare_logs[-3000:]
+    assert said(spare_logs, 1, "data: first batch (micro-batch 22 of the run) from the cache"), spare_logs[-3000:]
 
 
 def _error(*args: str, script: Path = SCRIPT, script_args: tuple[str, ...] = ()) -> tuple[int, str]:

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     ours.add_argument("--nan-policy", "--nan_policy", default="stop", metavar="POLICY",
                       help="a non-finite gradient that comes back when its step is run again: stop (end the job, "
                            "naming the batch's samples) or skip (drop that batch, with a record)")
+    ours.add_argument("--verbose", action="store_true",
+                      help="the ranks' DEBUG lines too (a re-entered fit's set-up times, where a replacement's "
+                           "first batch came from)")
     parser.set_defaults(max_restarts=3)
     return parser
 
@@ -278,7 +281,7 @@ def _config(args: argparse.Namespace) -> Any:
                          hang_deadline_s=args.hang_deadline, node_rank=int(args.node_rank),
                          rdzv_endpoint=endpoint, rdzv_backend=backend, local_addr=args.local_addr or "",
                          node_lease_s=args.node_lease, straggler_factor=args.straggler_factor,
-                         start_timeout_s=join_timeout or cfg.launcher.start_timeout_s))
+                         start_timeout_s=join_timeout or cfg.launcher.start_timeout_s, verbose=args.verbose))
 
 
 def main(argv: list[str] | None = None) -> int:

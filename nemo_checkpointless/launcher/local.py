@@ -272,7 +272,8 @@ class _Job:
                protocol.NUM_INSTANCES_ENV: str(cfg.replication.num_instances),
                protocol.INTEGRITY_EVERY_ENV: str(cfg.integrity.every_n_steps),
                protocol.INTEGRITY_FENCE_ENV: str(cfg.integrity.fence_after),
-               protocol.NAN_POLICY_ENV: cfg.integrity.nan_policy}
+               protocol.NAN_POLICY_ENV: cfg.integrity.nan_policy,
+               protocol.VERBOSE_ENV: "1" if cfg.launcher.verbose else "0"}
         if cfg.checkpoint.dir:
             env[protocol.CHECKPOINT_DIR_ENV] = cfg.checkpoint.dir
         if cfg.data.cache_root:

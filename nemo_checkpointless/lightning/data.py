@@ -13,6 +13,7 @@ not used); randomness in `Dataset.__getitem__` must come from the index.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +26,8 @@ from torch.utils.data import DataLoader
 from nemo_checkpointless.data.cache import BatchCache, data_version
 from nemo_checkpointless.data.loader import MmapBatchLoader
 from nemo_checkpointless.protocol import JOB_ID_KEY
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CachedTrainLoader", "MmapDataModule"]
 
@@ -124,8 +127,8 @@ class CachedTrainLoader:
         for batch in self.loader:
             if not self.first_reported and start:
                 first = self.loader.first_batch
-                print(f"[rank {self.rank}] data: first batch (micro-batch {start} of the run) from the "
-                      f"{first['source']} in {1e3 * first['s']:.2f} ms", flush=True)
+                log.debug(f"data: first batch (micro-batch {start} of the run) from the {first['source']} in "
+                          f"{1e3 * first['s']:.2f} ms")
             self.first_reported = True
             yield batch
 

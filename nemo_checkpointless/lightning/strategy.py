@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import math
 import os
 import time
@@ -60,6 +61,8 @@ from nemo_checkpointless.topology import ParallelDims, rank_info
 from nemo_checkpointless.topology.shrink import served_ranks
 
 STATE_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
 def _set_rank_zero(rank: int) -> None:
@@ -104,16 +107,15 @@ class _InProcessLauncher(_Launcher):
         strategy = self.strategy
         freeze_heap()  # once per process: what the script built before fit stays out of later collections
         strategy.ensure_session()
-        rank = strategy.session.env.rank
         while True:
             try:
                 return function(*args, **kwargs)
             except RestartFromCheckpoint as restart:
-                print(f"[rank {rank}] {restart}", flush=True)
+                log.warning(f"{restart}")
                 if restart.decision.step == 0:
                     # No checkpoint: back to the seeded initial state, which only the user's script builds (before
                     # `fit`): the job starts again, every process of it.
-                    print(f"[rank {rank}] no checkpoint to go back to: the job restarts from the start", flush=True)
+                    log.warning("no checkpoint to go back to: the job restarts from the start")
                     os._exit(protocol.RESTART_ALL_EXIT_CODE)
                 strategy.join = JoinSpec("checkpoint" if restart.recovery else "rollback", restart.generation,
                                          restart.decision.step)
@@ -122,25 +124,24 @@ class _InProcessLauncher(_Launcher):
                 try:
                     strategy.session.engine.regroup(strategy)  # raises Reshape once the world is whole again
                 except Reshape as reshape:
-                    print(f"[rank {rank}] grown back: {reshape}", flush=True)
+                    log.info(f"grown back: {reshape}")
                     strategy.join = JoinSpec("kept", reshape.generation, reshape.decision.step)
                 except RestartFromCheckpoint as restart:
-                    print(f"[rank {rank}] {restart}", flush=True)
+                    log.warning(f"{restart}")
                     if restart.decision.step == 0:
-                        print(f"[rank {rank}] no checkpoint to go back to: the job restarts from the start",
-                              flush=True)
+                        log.warning("no checkpoint to go back to: the job restarts from the start")
                         os._exit(protocol.RESTART_ALL_EXIT_CODE)
                     strategy.join = JoinSpec("checkpoint", restart.generation, restart.decision.step)
             except Reshape as reshape:
-                print(f"[rank {rank}] {reshape}", flush=True)
+                log.info(f"{reshape}")
                 strategy.keep_own_state()
                 strategy.join = JoinSpec("kept", reshape.generation, reshape.decision.step)
             except Parked as parked:
-                print(f"[rank {rank}] {parked}", flush=True)
+                log.info(f"{parked}")
                 assert trainer is not None
                 trainer._teardown()
                 strategy.join = JoinSpec("replacement", strategy.session.engine.wait_to_rejoin())
-                print(f"[rank {rank}] rejoins at generation {strategy.join.generation}", flush=True)
+                log.info(f"rejoins at generation {strategy.join.generation}")
                 trainer.fit_loop._combined_loader = None
                 continue
             assert trainer is not None
@@ -783,15 +784,15 @@ class CheckpointlessStrategy(ParallelStrategy):
             if g.lo <= index < g.hi:
                 index = (g.hi + 1) % g.flat.numel()
             g.flat.view(torch.int32)[index] ^= 1 << 12
-            print(f"[rank {self.global_rank}] bitflip: bit 12 of element {index} of the parameters", flush=True)
+            log.info(f"bitflip: bit 12 of element {index} of the parameters")
             return
         state = self.sharded.shard_state()
         name = next((n for n in sorted(state) if not n.endswith(".param") and state[n].numel() > 1), None)
         tensor = state[name] if name is not None else state["group0.param"]
         flat = tensor.detach().view(-1).view(torch.int32)
         flat[flat.numel() // 3] ^= 1 << 12
-        print(f"[rank {self.global_rank}] bitflip: bit 12 of element {flat.numel() // 3} of "
-              f"{name or 'group0.param'}", flush=True)
+        log.info(f"bitflip: bit 12 of element {flat.numel() // 3} of "
+              f"{name or 'group0.param'}")
 
     def _apply_poison(self, step: int) -> None:
         """Fault plan kinds `nan` (once) and `nan_batch` (every time step `step` is computed on this rank): one
@@ -801,7 +802,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         assert self.sharded is not None
         grad = next(p.grad for p in self.sharded.parameters() if p.grad is not None)
         grad.view(-1)[0] = float("nan")
-        print(f"[rank {self.global_rank}] injected: a NaN in the gradient of step {step}", flush=True)
+        log.info(f"injected: a NaN in the gradient of step {step}")
 
     def _step_samples(self) -> Any:
         """The sample ids of this rank's micro-batches in the step in flight (for a record); a loader whose

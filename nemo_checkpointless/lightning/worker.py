@@ -9,6 +9,7 @@ again in the same process, from the checkpoint's step (the strategy's launcher t
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -34,6 +35,8 @@ from nemo_checkpointless.restart.session import Session
 from nemo_checkpointless.restart.template import warm_up_at_idle_priority
 from nemo_checkpointless.restart.worker_env import freeze_heap, preload, run_worker
 from nemo_checkpointless.topology import rank_info
+
+log = logging.getLogger(__name__)
 
 
 class _PositionedSampler(RankBatchSampler):
@@ -117,8 +120,8 @@ class _DataOrderCheck(pl.Callback):
         loader.check_batch(trainer.global_step, batch)
         first = getattr(loader, "first_batch", None)
         if self._first and first and first["step"]:
-            print(f"[rank {trainer.global_rank}] data: first batch at step {first['step']} from the "
-                  f"{first['source']} in {1e3 * first['s']:.2f} ms", flush=True)
+            log.debug(f"data: first batch at step {first['step']} from the {first['source']} in "
+                      f"{1e3 * first['s']:.2f} ms")
         self._first = False
 
 

@@ -27,6 +27,7 @@ optimizer state are still those of the boundary (no big tensor is copied in the 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -38,6 +39,8 @@ from nemo_checkpointless.restart.recovery import GATHERING
 from nemo_checkpointless.state.hashing import DataDigest
 from nemo_checkpointless.state.integrity import crc, word_sum
 from nemo_checkpointless.state.rng import capture_rng, restore_rng
+
+log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 _JSON_SCALARS = (bool, int, float, str, type(None))
@@ -162,7 +165,7 @@ class MegatronParticipant:
         finite = all(math.isfinite(float(t.sum())) for t in [*params, *shard] if t.is_floating_point())
         return crc(params), crc(shard), finite
 
-    def flip_bit(self, rank: int) -> None:
+    def flip_bit(self) -> None:
         """Fault plan kind `bitflip` (target shard): bit 12 of one element of this rank's first optimizer state
         tensor (AdamW's `exp_avg`; before the first step, its first main param), in memory, silently."""
         for _, inner, _, p in self._shard_params():
@@ -170,7 +173,7 @@ class MegatronParticipant:
             name, tensor = next(iter(sorted(state.items())), ("main param", p.detach()))
             flat = tensor.view(-1).view(torch.int32)
             flat[flat.numel() // 3] ^= 1 << 12
-            print(f"[rank {rank}] bitflip: bit 12 of element {flat.numel() // 3} of the shard's {name}", flush=True)
+            log.info(f"bitflip: bit 12 of element {flat.numel() // 3} of the shard's {name}")
             return
 
     def boundary_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

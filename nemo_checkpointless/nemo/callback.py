@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -44,6 +45,8 @@ from nemo_checkpointless.restart import progress
 from nemo_checkpointless.restart.faults import slow_delay
 from nemo_checkpointless.state.hashing import state_digest
 from nemo_checkpointless.topology import rank_info
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointlessCallback(pl.Callback):
@@ -113,12 +116,11 @@ class CheckpointlessCallback(pl.Callback):
         session, step = strategy.session, trainer.global_step
         if strategy.reentry:  # the first step after a recovery: where the time to re-enter `fit` went
             t = strategy.reentry
-            print(f"[rank {session.env.rank}] back in fit: fit set-up {t['train_start'] - t['recovered']:.2f} s "
+            log.debug(f"back in fit: fit set-up {t['train_start'] - t['recovered']:.2f} s "
                   f"(of which groups {t.get('groups', 0.0):.2f} s; model built "
                   f"{'uninitialised' if strategy.built_uninitialised else 'and initialised'}; "
                   f"{strategy.barriers_skipped} of Lightning's barriers skipped), first step "
-                  f"{time.time() - t['train_start']:.2f} s ({compiled_graphs() - t['graphs']:.0f} graphs compiled)",
-                  flush=True)
+                  f"{time.time() - t['train_start']:.2f} s ({compiled_graphs() - t['graphs']:.0f} graphs compiled)")
             strategy.reentry = {}
         session.stamps.stamp(step)
         session.beacon.mark(step, progress.BATCH_END)
@@ -126,8 +128,8 @@ class CheckpointlessCallback(pl.Callback):
         first = getattr(loader, "first_batch", None)
         if first and first["step"] and not first.get("reported"):
             first["reported"] = True
-            print(f"[rank {session.env.rank}] data: first batch at step {first['step']} from the "
-                  f"{first['source']} in {1e3 * first['s']:.2f} ms", flush=True)
+            log.debug(f"data: first batch at step {first['step']} from the {first['source']} in "
+                      f"{1e3 * first['s']:.2f} ms")
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +40,8 @@ from nemo_checkpointless.restart.groups import PeerFailure, alive_key, fault_gen
 from nemo_checkpointless.restart.recovery import RestartFromCheckpoint
 from nemo_checkpointless.restart.session import Session
 from nemo_checkpointless.restart.worker_env import die_by_signal, freeze_heap
+
+log = logging.getLogger(__name__)
 
 State = tuple[dict[str, torch.Tensor], dict[str, Any]]
 
@@ -154,9 +157,8 @@ class InProcessLauncher(_Launcher):
             if recovered:  # the recovery's record gets the first step after it (a vote's re-entry is no recovery)
                 session.stamps.track(session.membership.generation)
             strategy.reentry = {"recovered": time.time()}
-            print(f"[rank {session.env.rank}] {'recovered ' if recovered else ''}{how} in {time.time() - t:.2f} s "
-                  f"(generation {session.membership.generation}, {abandoned} old groups abandoned); entering fit again",
-                  flush=True)
+            log.warning(f"{'recovered ' if recovered else ''}{how} in {time.time() - t:.2f} s ({abandoned} old groups "
+                        "abandoned); entering fit again")
 
 
 _WARM = False  # this process (or the template it was forked from) ran `warm_up_kernels`
@@ -201,8 +203,8 @@ def warm_up_kernels(module: Any, micro_batch_size: int, seq_len: int, seed: int 
     try:
         import torch.testing._internal.distributed.fake_pg  # (registers torch's "fake" backend)
     except ImportError as e:
-        print(f"spare warm-up: skipped, torch has no fake process group ({e}); the first step after a join will "
-              "compile", flush=True)
+        log.warning(f"spare warm-up: skipped, torch has no fake process group ({e}); the first step after a join "
+                    "will compile")
         return
     config = getattr(module, "config", None)
     # As the strategy sets them when `fit` starts: the vocabulary is padded to a multiple of the TP size.
@@ -249,8 +251,8 @@ def _warm_up_one(module: Any, micro_batch_size: int, seq_len: int, seed: int, ba
         return True
     except Exception as e:
         where = f" (as TP rank {rank} of {world_size})" if world_size > 1 else ""
-        print(f"spare warm-up: forward/backward failed{where} ({type(e).__name__}: {e}); the first step after a "
-              "join will compile", flush=True)
+        log.warning(f"spare warm-up: forward/backward failed{where} ({type(e).__name__}: {e}); the first step "
+                    "after a join will compile")
         return False
     finally:
         if "module" in getattr(module, "_modules", {}):
@@ -288,8 +290,7 @@ def entry_state(strategy: MegatronDoor) -> State | None:
         strategy.reentry = {"recovered": time.time()}
         source = (f"a replica (p2p, {session.engine.bytes_received} bytes)" if decision.path == "p2p" else
                   "the checkpoint" if decision.step else "the seeded initial state")
-        print(f"[rank {session.env.rank}] joined generation {session.membership.generation}: state of step "
-              f"{decision.step} from {source}", flush=True)
+        log.info(f"joined: state of step {decision.step} from {source}")
         strategy.restored = (decision.path, dict(decision.sources))
         return received.state
     if join.kind == "checkpoint":
@@ -371,7 +372,7 @@ def recover_in_process(strategy: MegatronDoor, error: Exception, watch: FaultWat
     why = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
     if watch.fired:
         why += f" (fault watch closed {watch.closed} sockets)"
-    print(f"[rank {rank}] left fit at step {part.completed_steps}: {why}", flush=True)
+    log.info(f"left fit at step {part.completed_steps}: {why}")
     resume: State | None = own_boundary_state(part)
     try:
         decision = session.engine.recover(part, PeerFailure(f"{type(error).__name__} in NeMo's fit"))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import logging
 import math
 import os
 import struct
@@ -72,6 +73,8 @@ from nemo_checkpointless.restart.integrity import IntegrityCheck, NanGuard, publ
 from nemo_checkpointless.restart.session import Session, env_number  # noqa: E402
 from nemo_checkpointless.state.checkpoint import CheckpointStore  # noqa: E402
 from nemo_checkpointless.topology import ParallelDims, rank_info  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointlessMegatronStrategy(MegatronStrategy):
@@ -397,7 +400,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
             self.resume = None  # the tensors belong to the previous fit's model: drop them once loaded
             if self._damage_next_load:
                 self._damage_next_load = False
-                self.participant.flip_bit(self.global_rank)
+                self.participant.flip_bit()
             # The LR schedule continues from the loaded step (the loaded param groups hold its current LR; the
             # next scheduler step computes the LR of the step after it).
             for config in self.lr_scheduler_configs:
@@ -622,7 +625,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         """Fault plan kind `bitflip` (target shard, the only one on this engine): one bit of this rank's optimizer
         shard flipped in memory (`MegatronParticipant.flip_bit`)."""
         assert self.participant is not None
-        self.participant.flip_bit(self.global_rank)
+        self.participant.flip_bit()
 
     def _watch_param_gather(self) -> None:
         """Mark where the step's gradient reduction begins (the launcher's straggler report reads the rank's busy time
@@ -666,7 +669,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         buffers = [b for c in chunks for b in [*getattr(c, "buffers", []), *getattr(c, "expert_parallel_buffers", [])]]
         if buffers and self._session is not None and self._session.faults.poisoned(step):  # fault plan nan, nan_batch
             buffers[0].grad_data.view(-1)[0] = float("nan")
-            print(f"[rank {self.global_rank}] injected a NaN in its gradient of step {step}", flush=True)
+            log.info(f"injected a NaN in its gradient of step {step}")
         if self.nan_guard is not None:
             self._local_norm = math.sqrt(sum(float(b.grad_data.float().pow(2).sum()) for b in buffers))
 

@@ -5,6 +5,7 @@ replacement of the rank does not fire it again), and the launcher reads what fir
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -13,6 +14,8 @@ from typing import Any
 
 from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.protocol import corrupt_restore_key, injected_key
+
+log = logging.getLogger(__name__)
 
 
 class InjectedFault(RuntimeError):
@@ -72,7 +75,7 @@ def _run_out_of_memory(rank: int, step: int) -> None:
 def kill_in_gather(rank: int, step: int) -> None:
     """Where a `kill` with target `gather` lands: the strategy calls this after step `step`'s gradient all-reduce,
     before its instance's parameter all-gather (SIGKILL)."""
-    print(f"[rank {rank}] killed after the gradient all-reduce of step {step}", flush=True)
+    log.info(f"killed after the gradient all-reduce of step {step}")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -102,7 +105,7 @@ def fire_faults(plan: Sequence[Any], rank: int, step: int, store: Any, corrupt: 
         if spec.rank != rank or spec.step != step or store.check([injected_key(i)]):
             continue
         store.set(injected_key(i), json.dumps({"t": time.time(), "kind": spec.kind, "rank": rank, "step": step}))
-        print(f"[rank {rank}] injected fault: {spec.kind} at step {step}", flush=True)
+        log.info(f"injected fault: {spec.kind} at step {step}")
         if spec.kind == "kill" and getattr(spec, "target", "") == "gather":
             if gather is None:
                 raise ConfigError(f"fault.plan kill:{rank}:{step}:gather", "gather",
@@ -242,5 +245,5 @@ class Injector:
         if self._damage is None or not self.store.check([key]) or self.store.add(key, 0) <= 0:
             return
         self.store.add(key, -1)
-        print(f"[rank {self.rank}] injected fault: corrupt_restore (the state just restored is damaged)", flush=True)
+        log.info("injected fault: corrupt_restore (the state just restored is damaged)")
         self._damage()

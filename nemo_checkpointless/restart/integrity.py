@@ -82,7 +82,7 @@ def stop_job(store: Any, rank: int, message: str | None, exit_code: int = STOPPE
         if not store.check([STOP_KEY]):
             message = "another rank was to stop the job and did not say why"
             store.set(STOP_KEY, json.dumps({"rank": rank, "message": message, "exit_code": exit_code}))
-    print(f"[rank {rank}] stopping the job: {message or json.loads(store.get(STOP_KEY))['message']}", flush=True)
+    log.error(f"stopping the job: {message or json.loads(store.get(STOP_KEY))['message']}")
     os._exit(exit_code)
 
 
@@ -102,7 +102,7 @@ def published_records(store: Any) -> list[dict[str, Any]]:
 
 
 def _fence(rank: int, why: str) -> None:
-    print(f"[rank {rank}] {why}: fenced, its process ends and a spare takes its place", flush=True)
+    log.error(f"{why}: fenced, its process ends and a spare takes its place")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -166,7 +166,7 @@ class IntegrityCheck:
         record: dict[str, Any] = {"step": step, "kind": "replica_mismatch", "ranks": list(verdict.bad),
                                   "digests": {str(r): [f"{v[0]:08x}", f"{v[1]:08x}"] for r, v in by_rank.items()},
                                   "decision": verdict.action, "reason": verdict.reason}
-        log.warning("rank %d: integrity check at step %d: %s -> %s", me, step, verdict.reason, verdict.action)
+        log.warning("integrity check at step %d: %s -> %s", step, verdict.reason, verdict.action)
         if verdict.action == "repair":
             decision = Decision("p2p", step, verdict.bad, dict(verdict.sources), verdict.reason)
             ok = self.engine.transfer(participant, decision)
@@ -249,7 +249,7 @@ class IntegrityCheck:
                                            "checkpoint, then restart the job from the checkpoint")
         record.update(decision="rollback", rolled_back_to=target)
         self._keep(record)
-        log.warning("rank %d: %s; rolling back to step %d", me, story, target)
+        log.warning("%s; rolling back to step %d", story, target)
         self.last_verified = target
         raise RestartFromCheckpoint(Decision("checkpoint", target, tuple(sorted(bad)), {},
                                              f"{story}; rolling back to the last verified state (step {target})"),
@@ -289,8 +289,7 @@ class NanGuard:
         if first is None or first[0] != step:
             if not sick:
                 return "ok"
-            log.warning("rank %d: step %d: non-finite gradient from rank(s) %s; running the step again",
-                        self.rank, step, sick)
+            log.warning("step %d: non-finite gradient from rank(s) %s; running the step again", step, sick)
             self._first = (step, sick)
             return "rerun"
         record: dict[str, Any] = {"step": step, "kind": "nonfinite_gradient", "ranks": first[1],
@@ -302,8 +301,8 @@ class NanGuard:
                 self.strikes[r] = self.strikes.get(r, 0) + 1
             record["strikes"] = {str(r): self.strikes[r] for r in first[1]}
             self._keep(record)
-            print(f"[rank {self.rank}] integrity: step {step}: the non-finite gradient of rank(s) {first[1]} did not "
-                  "come back when the step ran again: the rank(s) are suspect, not the batch", flush=True)
+            log.warning(f"integrity: step {step}: the non-finite gradient of rank(s) {first[1]} did not "
+                  "come back when the step ran again: the rank(s) are suspect, not the batch")
             if self.strikes.get(self.rank, 0) >= self.fence_after:
                 _fence(self.rank, f"integrity: this rank gave a non-finite gradient that did not reproduce "
                                   f"{self.strikes[self.rank]} times (integrity.fence_after={self.fence_after})")
@@ -327,8 +326,8 @@ class NanGuard:
             stop_job(self.store, self.rank, f"{story} ({named}). integrity.nan_policy=stop: fix or drop those "
                                             "samples, or use --nan-policy skip, and restart from the checkpoint"
                      if self.rank == sick[0] else None)
-        print(f"[rank {self.rank}] integrity: {story}; integrity.nan_policy=skip: the step's update is dropped and "
-              "the data moves on", flush=True)
+        log.warning(f"integrity: {story}; integrity.nan_policy=skip: the step's update is dropped and "
+              "the data moves on")
         return "skip"
 
     def summary(self) -> list[dict[str, Any]]:

@@ -70,6 +70,7 @@ class ProgressBeacon:
     def __init__(self, run_dir: str | os.PathLike[str], rank: int) -> None:
         self._map: mmap.mmap | None = None
         self._seq = 0
+        self.step = 0  # the step of the last mark (the rank's log lines name it)
         self._pid = os.getpid()
         self._started = (0, 0.0)  # (step, wall time) of the last STEP_START
         self._busy = (0, 0.0)  # (step, seconds) of the last step that reached GRAD_SYNC
@@ -89,6 +90,7 @@ class ProgressBeacon:
             self._map = None
 
     def mark(self, step: int, phase: int) -> None:
+        self.step = step
         m = self._map
         if m is None:
             return

@@ -257,7 +257,7 @@ class RecoveryEngine:
         """Survivor side: called with the `PeerFailure` a collective raised. Returns a p2p decision (then retry the
         step in flight) or raises `RestartFromCheckpoint`."""
         t_detect = time.time()
-        log.warning("rank %d: %s; recovering", self.membership.rank, failure)
+        log.warning("%s; recovering", failure)
         generation = self.membership.generation
         self.store.set(alive_key(generation, self.membership.rank), json.dumps(t_detect))
         if isinstance(failure, CollectiveTimeout):
@@ -310,8 +310,8 @@ class RecoveryEngine:
                 decision = self._agree_and_transfer(participant, role)
             except PeerFailure as e:
                 attempts += 1
-                log.warning("rank %d: recovery at generation %d failed (%s); attempt %d of %d",
-                            self.membership.rank, generation, e, attempts, self.max_attempts)
+                log.warning("recovery at generation %d failed (%s); attempt %d of %d", generation, e, attempts,
+                            self.max_attempts)
                 if attempts >= self.max_attempts:
                     raise RecoveryError(f"rank {self.membership.rank}: {attempts} consecutive recovery attempts "
                                         f"failed (limit {self.max_attempts}); last: {e}") from e
@@ -382,13 +382,13 @@ class RecoveryEngine:
                 self.bytes_received = buf.numel()
                 expected = b"".join(int(v).to_bytes(8, "little", signed=True) for v in header[1:].tolist())
                 if self.verify_checksum and bytes.fromhex(checksum(buf)) != expected:
-                    log.error("rank %d: state from rank %d failed its checksum", me, src)
+                    log.error("state from rank %d failed its checksum", src)
                     ok = False
                     continue
                 try:
                     tensors, meta = unpack(buf)
                 except PackError as e:
-                    log.error("rank %d: state from rank %d is malformed: %s", me, src, e)
+                    log.error("state from rank %d is malformed: %s", src, e)
                     ok = False
                     continue
                 if me in decision.rolled_forward:

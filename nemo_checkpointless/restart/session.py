@@ -15,6 +15,7 @@ from typing import Any
 
 from nemo_checkpointless import protocol
 from nemo_checkpointless.errors import ConfigError
+from nemo_checkpointless.restart import logs
 from nemo_checkpointless.restart.faults import Injector
 from nemo_checkpointless.restart.groups import Membership, connect_store
 from nemo_checkpointless.restart.progress import ProgressBeacon
@@ -72,6 +73,7 @@ class Session:
         self.beacon = ProgressBeacon(self.env.run_dir, self.env.rank)
         self.faults = Injector(self.env.rank, self.membership.store)
         self.engine.faults = self.faults
+        logs.bind(self.env.rank, generation=lambda: self.membership.generation, step=lambda: self.beacon.step)
 
     @property
     def store(self) -> Any:
