@@ -111,7 +111,8 @@ class MmapBatchLoader:
         verify: record each batch's fingerprint in `ledger` (`check_batch` then verifies the trainer's step).
         reader_wait_s: how long a non-writer waits for the writer to publish a batch before reading it directly.
         data_version: written into `state_dict` and checked by `load_state_dict`.
-        name: prefix of this loader's log lines (e.g. "[rank 3]").
+        name: prefix of this loader's log lines (e.g. "cache 3: "); a rank's lines name the rank already
+            (`restart.logs`).
 
     Not thread-safe: iterate from one thread. Call `close()` when done (stops the prefetch thread).
     """
@@ -252,8 +253,8 @@ class MmapBatchLoader:
         if not self.first_batch:
             self.first_batch = {"step": step, "source": source, "s": time.perf_counter() - t0}
             if step:
-                log.info("%s data: first batch at step %d from the %s in %.2f ms", self.name, step, source,
-                         1e3 * self.first_batch["s"])
+                log.debug("%sdata: loader's first batch at step %d from the %s in %.2f ms", self.name, step, source,
+                          1e3 * self.first_batch["s"])
         if self.ledger is not None:
             self.ledger.record(step, digest if digest is not None else fingerprint(batch))
         return batch
@@ -290,7 +291,7 @@ class MmapBatchLoader:
                     on_disk.add(nxt)
                 nxt += 1
         except Exception:  # never take training down: the consumer falls back to direct reads
-            log.exception("%s data: the prefetch thread failed; reading the dataset directly", self.name)
+            log.exception("%sdata: the prefetch thread failed; reading the dataset directly", self.name)
 
     def _trim(self, on_disk: set[int]) -> None:
         assert self.cache is not None

@@ -102,7 +102,7 @@ class CachedTrainLoader:
         cache = BatchCache(cache_root, job_id, version, group=dp_rank)
         self.loader = MmapBatchLoader(dataset, self.plan, dp_rank, end_step=0, cache=cache, writer=True,
                                       prefetch=prefetch, lookback=lookback, collate_fn=dataloader.collate_fn,
-                                      verify=False, data_version=version, name=f"[rank {rank}]")
+                                      verify=False, data_version=version)
         self.generator = dataloader.generator
         self.skip_batches = 0  # set for the first iteration after a (re)entry into fit
         self.rank = rank

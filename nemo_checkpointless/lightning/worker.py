@@ -70,7 +70,7 @@ def _build_loader(cfg: Config, session: Session, dataset: TokenSequences, plan: 
     else:
         loader = job_loader(cfg, session.membership.store, rank=env.rank, dims=session.dims, run_dir=env.run_dir,
                             store_port=env.store_port, dataset=dataset, plan=plan, end_step=cfg.trainer.max_steps,
-                            start_step=start, name=f"[rank {env.rank}]")
+                            start_step=start)
     return loader
 
 

@@ -302,8 +302,7 @@ class MmapDataModule(pl.LightningDataModule):
         self.loader = group_loader(session.store, rank=rank, dims=dims, run_dir=session.env.run_dir,
                                    store_port=session.env.store_port, dataset=dataset, plan=plan,
                                    end_step=plan.steps_per_epoch, version=version, cache_root=self.cache_root,
-                                   prefetch=self.prefetch, lookback=self.lookback, verify=False,
-                                   name=f"[rank {rank}]")
+                                   prefetch=self.prefetch, lookback=self.lookback, verify=False)
         return CachedSamples(dataset, self.loader)
 
     def prepare_data(self) -> None:

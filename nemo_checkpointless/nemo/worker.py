@@ -93,7 +93,7 @@ def build_data(cfg: Config, tokens: Any, run_dir: Path, store_port: int) -> Any:
     def loader(session: Any, dataset: Any, plan: Any, end_step: int) -> Any:
         rank = session.env.rank
         return job_loader(cfg, session.store, rank=rank, dims=dims, run_dir=str(run_dir), store_port=store_port,
-                          dataset=dataset, plan=plan, end_step=end_step, name=f"[rank {rank}]")
+                          dataset=dataset, plan=plan, end_step=end_step)
 
     return PlannedDataModule(tokens, seq_len=cfg.data.seq_len, micro_batch_size=cfg.data.micro_batch_size,
                              dp_size=dims.dp, global_batch_size=global_batch_size(cfg), seed=cfg.seed,
