@@ -1,7 +1,7 @@
 """The operator role: hosts (or joins) the job's store, starts the workers, watches them, replaces failed ones.
 
 `run_job` runs one machine's job (`local.run_local`), or this node's agent of a job of several nodes
-(`cluster.run_node`) when the job has more than one node or names its store's endpoint.
+(`launcher.nodes.run_node`) when the job has more than one node or names its store's endpoint.
 """
 
 from pathlib import Path

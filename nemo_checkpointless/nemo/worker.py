@@ -9,7 +9,7 @@ called once: the strategy's launcher recovers in process and enters `fit` again 
 and a hot spare waits inside `fit` for the rank it replaces. `launcher.on_failure=restart_all` starts every rank
 from the newest persistent checkpoint.
 
-What only this worker does: the config (`run.dir/config.json`), `launcher.preload` (imported first, and its
+What only this worker does: the config (`run.dir/config.yaml`), `launcher.preload` (imported first, and its
 `install()` called, before NeMo or megatron-core: on a CPU machine, the test suite's CPU shim, `PYTHONPATH=tests`,
 `launcher.preload=[nemo_shim]`) and the hot spare's warm-up (`warm_up`, and `spare_template` for the launcher's
 forked spares).

@@ -1,6 +1,6 @@
 """The cross-replica check at a step boundary (`integrity.every_n_steps`, and after every recovery): every rank
 of the world gives the digests of its parameters and of its optimizer shard (`state.integrity.crc`), they are
-all-gathered (16 bytes a rank), and the same verdict is reached everywhere (`state.integrity.judge`):
+all-gathered (32 bytes a rank), and the same verdict is reached everywhere (`state.integrity.judge`):
 
 - ok: the last verified step moves here;
 - repair: each rank in a minority receives the state of a majority rank holding the same shard, p2p, exactly as a

@@ -3,7 +3,7 @@
 With N optimizer instances every shard lives on N ranks (its replica peers), bitwise equal, and every
 data-parallel rank holds the same full parameters. So a rank's copy can be checked against its peers' at no
 extra state: each rank digests its full parameters and its shard (the parameter slice and the optimizer state),
-the digests are all-gathered (16 bytes a rank), and `judge` (pure, identical on every rank) says who disagrees:
+the digests are all-gathered (32 bytes a rank), and `judge` (pure, identical on every rank) says who disagrees:
 
 - a value held by a strict majority of its copies wins; each rank in the minority is repaired p2p from a rank of
   the majority that holds the same shard (`Verdict.sources`);
