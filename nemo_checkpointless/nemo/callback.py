@@ -102,7 +102,7 @@ class CheckpointlessCallback(pl.Callback):
         store = session.store
         if mark_process_training(store) and session.env.rank == 0 and not store.check([TRAIN_START_KEY]):
             store.set(TRAIN_START_KEY, json.dumps(time.time()))
-
+        session.beacon.mark(trainer.global_step + 1, progress.STEP_START)
         faults = session.faults
         if not faults.plan:
             faults.arm(self.fault_plan)
