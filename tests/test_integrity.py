@@ -53,6 +53,11 @@ def test_the_majority_wins_and_two_copies_that_differ_roll_back() -> None:
     assert v.action == "rollback", v
     v = judge({0: 7, 1: 9, 2: 7, 3: 7}, {0: 1, 2: 1, 1: 2, 3: 2}, two)  # one rank's parameters alone
     assert (v.action, v.bad, v.sources) == ("repair", (1,), {1: 3}), v
+    # TP=2 (NeMo): ranks 0, 2 hold one slice of the model and 1, 3 the other; their parameters differ by design.
+    slices, tp_shards = [[0, 2], [1, 3]], [(0,), (2,), (1,), (3,)]
+    assert judge({0: 7, 2: 7, 1: 8, 3: 8}, {0: 1, 2: 2, 1: 3, 3: 4}, tp_shards, param_groups=slices).action == "ok"
+    v = judge({0: 7, 2: 7, 1: 8, 3: 8}, {0: 1, 2: 2, 1: 3, 3: 4}, tp_shards)  # compared across slices: no majority
+    assert v.action == "rollback", v
 
 
 def test_the_digest_sees_one_flipped_bit() -> None:

@@ -45,7 +45,7 @@ from nemo_checkpointless.protocol import INTEGRITY_RECORDS_KEY, STOP_KEY, sample
 from nemo_checkpointless.restart.groups import PeerFailure
 from nemo_checkpointless.restart.recovery import Decision, Participant, RecoveryEngine, RestartFromCheckpoint
 from nemo_checkpointless.state.integrity import judge
-from nemo_checkpointless.topology import ParallelDims, replica_groups
+from nemo_checkpointless.topology import ParallelDims, data_parallel_groups, replica_groups
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,10 @@ class IntegrityCheck:
         self.records.append(record)
         publish_records(self.engine.membership.store, self.records)
 
+    def _slices(self) -> list[Any]:
+        """The ranks that hold the same tensor/pipeline-parallel slice of the model (equal parameters)."""
+        return data_parallel_groups(self.dims, with_context_parallel=True)
+
     def due(self, step: int) -> bool:
         if self.pending is not None and step >= self.pending:
             return True
@@ -155,7 +159,8 @@ class IntegrityCheck:
         by_rank = dict(zip(world.ranks, (o.tolist() for o in outs), strict=True))
         self.last_verified = max(v[2] for v in by_rank.values())
         verdict = judge({r: v[0] for r, v in by_rank.items()}, {r: v[1] for r, v in by_rank.items()},
-                        replica_groups(self.dims), {r: bool(v[3]) for r, v in by_rank.items()})
+                        replica_groups(self.dims), {r: bool(v[3]) for r, v in by_rank.items()},
+                        self._slices())
         self.checks += 1
         self.bytes_digested += held_bytes
         if verdict.action == "ok":
@@ -187,7 +192,18 @@ class IntegrityCheck:
             record["reason"] += "; the repair failed its checksum"
         target = self.engine.checkpoints.latest(self.last_verified) if self.engine.checkpoints is not None else 0
         record["rolled_back_to"] = target
+        # Training is deterministic: copies that disagree again at the same step after a rollback disagree by design
+        # (or by a fault that is not transient), and another rollback would loop. The records carry over restarts.
+        again = any(r.get("kind") == "replica_mismatch" and r.get("step") == step and r.get("decision") == "rollback"
+                    for r in self.records)
         self.last_verified = target
+        if again:
+            record["decision"] = "stop"
+            self._keep(record)
+            stop_job(membership.store, me, f"integrity check at step {step}: {record['reason']}, again after a "
+                                           f"rollback to step {target}: the replicas disagree every time this step is "
+                                           "reached, so the job stops instead of looping. Check the ranks named "
+                                           "(memory, the node) and the model's determinism")
         self._keep(record)
         self.check_s += time.perf_counter() - t0
         raise RestartFromCheckpoint(Decision("checkpoint", target, verdict.bad, {},
@@ -222,7 +238,8 @@ class IntegrityCheck:
                 bad.add(dst)
                 problems.append(f"rank {dst}'s restored {' and '.join(what)} differ from its source rank {src}'s")
         verdict = judge({r: v[0] for r, v in by_rank.items()}, {r: v[1] for r, v in by_rank.items()},
-                        replica_groups(self.dims), {r: bool(v[2]) for r, v in by_rank.items()})
+                        replica_groups(self.dims), {r: bool(v[2]) for r, v in by_rank.items()},
+                        self._slices())
         if verdict.action != "ok":
             bad.update(verdict.bad)
             problems.append(verdict.reason)

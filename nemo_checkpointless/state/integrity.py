@@ -68,9 +68,10 @@ def _majority(values: Mapping[int, int]) -> int | None:
 
 
 def judge(params: Mapping[int, int], shards: Mapping[int, int], replica_groups: Sequence[Sequence[int]],
-          finite: Mapping[int, bool] | None = None) -> Verdict:
-    """The verdict from every rank's digest of its parameters (`params`, rank -> digest; all should agree) and of
-    its shard (`shards`; equal within each replica group: the ranks holding the same shard). A rank whose state is
+          finite: Mapping[int, bool] | None = None, param_groups: Sequence[Sequence[int]] | None = None) -> Verdict:
+    """The verdict from every rank's digest of its parameters (`params`, rank -> digest; equal within each of
+    `param_groups`, the ranks holding the same tensor/pipeline-parallel slice of the model; default: all ranks) and
+    of its shard (`shards`; equal within each replica group: the ranks holding the same shard). A rank whose state is
     not all finite (`finite`) never counts with a majority: equal NaNs everywhere are no proof of health."""
     bad: set[int] = set()
     why: list[str] = []
@@ -80,14 +81,18 @@ def judge(params: Mapping[int, int], shards: Mapping[int, int], replica_groups: 
         params = {r: (-1 - r if r in sick else v) for r, v in params.items()}
         shards = {r: (-1 - r if r in sick else v) for r, v in shards.items()}
         why.append(f"rank(s) {sick} hold non-finite values")
-    good_params = _majority(params)
-    if good_params is None:
-        ranks = sorted(params)
-        return Verdict("rollback", tuple(ranks), {}, f"the parameters of ranks {ranks} disagree with no majority")
-    odd = sorted(r for r, v in params.items() if v != good_params)
-    if odd:
-        bad.update(odd)
-        why.append(f"the parameters of rank(s) {odd} differ from the other {len(params) - len(odd)} ranks'")
+    for members in param_groups if param_groups is not None else [sorted(params)]:
+        slice_params = {r: params[r] for r in members if r in params}
+        if not slice_params:
+            continue
+        good_params = _majority(slice_params)
+        if good_params is None:
+            ranks = sorted(slice_params)
+            return Verdict("rollback", tuple(ranks), {}, f"the parameters of ranks {ranks} disagree with no majority")
+        odd = sorted(r for r, v in slice_params.items() if v != good_params)
+        if odd:
+            bad.update(odd)
+            why.append(f"the parameters of rank(s) {odd} differ from the other {len(slice_params) - len(odd)} ranks'")
     for group in replica_groups:
         copies = {r: shards[r] for r in group}
         good = _majority(copies)
