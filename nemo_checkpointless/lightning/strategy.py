@@ -49,8 +49,8 @@ from nemo_checkpointless.restart.integrity import (
     DIGEST_SLOTS,
     IntegrityCheck,
     NanGuard,
+    checks_from_settings,
     encode_digest,
-    published_records,
 )
 from nemo_checkpointless.restart.recovery import Decision, Parked, Reshape, RestartFromCheckpoint
 from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
@@ -362,22 +362,10 @@ class CheckpointlessStrategy(ParallelStrategy):
                               "needs num_instances >= 2: with one optimizer instance there is nothing to shrink to",
                               "use --num-instances 2 (CheckpointlessStrategy(num_instances=2)), or drop --shrink")
         self._session.engine.extra_patience_s = env_number(protocol.REPLACEMENT_TIMEOUT_ENV, 0.0)
-        every = self._integrity_every_arg
-        if every is None:
-            every = int(env_number(protocol.INTEGRITY_EVERY_ENV, 50))
-        if every < 0:
-            raise ConfigError("CheckpointlessStrategy(integrity_every_n_steps=...)", every, "must be >= 0",
-                              "use 0 (no check) or a number of steps, e.g. 50")
-        fence_after = int(env_number(protocol.INTEGRITY_FENCE_ENV, 2))
-        self.integrity = IntegrityCheck(self._session.engine, self._session.dims, every, fence_after,
-                                        records=published_records(self._session.store))
+        self.integrity, self.nan_guard = checks_from_settings(
+            self._session.engine, self._session.dims, self._session.env.rank, self._integrity_every_arg,
+            self._nan_policy_arg, "CheckpointlessStrategy")
         self._session.faults.attach(self.flip_bit)  # the fault plan's hooks (a restore damaged: a bit of the shard)
-        policy = self._nan_policy_arg or os.environ.get(protocol.NAN_POLICY_ENV) or "stop"
-        if policy not in ("stop", "skip"):
-            raise ConfigError("CheckpointlessStrategy(nan_policy=...)", policy, "must be one of stop, skip",
-                              "use stop (end the job, naming the batch) or skip (drop that batch, with a record)")
-        self.nan_guard = NanGuard(self._session.membership.store, self._session.env.rank, policy, fence_after,
-                                  records=self.integrity.records)
 
     @property
     def shrink_enabled(self) -> bool:

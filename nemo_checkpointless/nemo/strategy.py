@@ -61,16 +61,13 @@ from nemo_checkpointless.nemo.restart import (  # noqa: E402
     SkipStep,
 )
 from nemo_checkpointless.protocol import (  # noqa: E402
-    INTEGRITY_EVERY_ENV,
-    INTEGRITY_FENCE_ENV,
     LAYOUT_ENV,
-    NAN_POLICY_ENV,
     NUM_INSTANCES_ENV,
     STORE_PORT_ENV,
 )
 from nemo_checkpointless.restart import objects, progress  # noqa: E402
-from nemo_checkpointless.restart.integrity import IntegrityCheck, NanGuard, published_records  # noqa: E402
-from nemo_checkpointless.restart.session import Session, env_number  # noqa: E402
+from nemo_checkpointless.restart.integrity import IntegrityCheck, NanGuard, checks_from_settings  # noqa: E402
+from nemo_checkpointless.restart.session import Session  # noqa: E402
 from nemo_checkpointless.state.checkpoint import CheckpointStore  # noqa: E402
 from nemo_checkpointless.topology import ParallelDims, rank_info  # noqa: E402
 
@@ -219,21 +216,10 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         session.membership.timeout_s = 2 * timeout + 60
         self.dims = session.dims
         self._session = session
-        every = self._integrity_every_arg
-        if every is None:
-            every = int(env_number(INTEGRITY_EVERY_ENV, 50))
-        if every < 0:
-            raise ConfigError("CheckpointlessMegatronStrategy(integrity_every_n_steps=...)", every, "must be >= 0",
-                              "use 0 (no check) or a number of steps, e.g. 50")
-        self.integrity = IntegrityCheck(session.engine, session.dims, every, int(env_number(INTEGRITY_FENCE_ENV, 2)),
-                                        records=published_records(session.store))
+        self.integrity, self.nan_guard = checks_from_settings(
+            session.engine, session.dims, session.env.rank, self._integrity_every_arg, self._nan_policy_arg,
+            "CheckpointlessMegatronStrategy")
         session.faults.attach(self.flip_bit, damage=self._damage_restore)  # the fault plan's hooks
-        policy = self._nan_policy_arg or os.environ.get(NAN_POLICY_ENV) or "stop"
-        if policy not in ("stop", "skip"):
-            raise ConfigError("CheckpointlessMegatronStrategy(nan_policy=...)", policy, "must be one of stop, skip",
-                              "use stop (end the job, naming the batch) or skip (drop that batch, with a record)")
-        self.nan_guard = NanGuard(session.store, session.env.rank, policy, self.integrity.fence_after,
-                                  records=self.integrity.records)
 
     def begin_generation(self, resume: tuple[dict[str, torch.Tensor], dict[str, Any]] | None) -> None:
         """Before a `fit` of the session's current generation: its default group is made from the launcher's store

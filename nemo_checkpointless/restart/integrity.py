@@ -41,9 +41,18 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 
-from nemo_checkpointless.protocol import INTEGRITY_RECORDS_KEY, STOP_KEY, samples_key
+from nemo_checkpointless.errors import ConfigError
+from nemo_checkpointless.protocol import (
+    INTEGRITY_EVERY_ENV,
+    INTEGRITY_FENCE_ENV,
+    INTEGRITY_RECORDS_KEY,
+    NAN_POLICY_ENV,
+    STOP_KEY,
+    samples_key,
+)
 from nemo_checkpointless.restart.groups import PeerFailure
 from nemo_checkpointless.restart.recovery import Decision, Participant, RecoveryEngine, RestartFromCheckpoint
+from nemo_checkpointless.restart.session import env_number
 from nemo_checkpointless.state.integrity import judge
 from nemo_checkpointless.topology import ParallelDims, data_parallel_groups, replica_groups
 
@@ -99,6 +108,27 @@ def published_records(store: Any) -> list[dict[str, Any]]:
         return []
     records: list[dict[str, Any]] = json.loads(store.get(INTEGRITY_RECORDS_KEY))
     return records
+
+
+def checks_from_settings(engine: RecoveryEngine, dims: ParallelDims, rank: int, every: int | None,
+                         policy: str | None, owner: str) -> tuple[IntegrityCheck, NanGuard]:
+    """A rank's replicas' vote and NaN guard, from a door's arguments (`every`, `policy`; None: the launcher's
+    settings in the environment, else 50 and "stop"), validated once for every door; `owner` names the door's class
+    in the message of a bad value. The records made before this process started (a replacement, a restarted job)
+    come from the store (`published_records`)."""
+    if every is None:
+        every = int(env_number(INTEGRITY_EVERY_ENV, 50))
+    if every < 0:
+        raise ConfigError(f"{owner}(integrity_every_n_steps=...)", every, "must be >= 0",
+                          "use 0 (no check) or a number of steps, e.g. 50")
+    fence_after = int(env_number(INTEGRITY_FENCE_ENV, 2))
+    store = engine.membership.store
+    check = IntegrityCheck(engine, dims, every, fence_after, records=published_records(store))
+    policy = policy or os.environ.get(NAN_POLICY_ENV) or "stop"
+    if policy not in ("stop", "skip"):
+        raise ConfigError(f"{owner}(nan_policy=...)", policy, "must be one of stop, skip",
+                          "use stop (end the job, naming the batch) or skip (drop that batch, with a record)")
+    return check, NanGuard(store, rank, policy, fence_after, records=check.records)
 
 
 def _fence(rank: int, why: str) -> None:
@@ -351,5 +381,5 @@ class NanGuard:
         return self.records
 
 
-__all__ = ["DIGEST_SLOTS", "STOPPED_EXIT_CODE", "Checked", "IntegrityCheck", "NanGuard", "PeerFailure", "encode_digest",
-           "publish_records", "published_records", "stop_job"]
+__all__ = ["DIGEST_SLOTS", "STOPPED_EXIT_CODE", "Checked", "IntegrityCheck", "NanGuard", "PeerFailure",
+           "checks_from_settings", "encode_digest", "publish_records", "published_records", "stop_job"]
