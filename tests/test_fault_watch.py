@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from harness import RankContext, emit_key, launch_ranks
 
-from nemo_checkpointless.nemo.restart import FaultWatch
+from nemo_checkpointless.megatron.groups import FaultWatch
 from nemo_checkpointless.restart import groups
 from nemo_checkpointless.restart.groups import FAULT_GRACE_S, PeerFailure
 

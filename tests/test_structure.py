@@ -1,4 +1,5 @@
-"""The structure rules: the engine below `lightning/` and `nemo/` never imports Lightning or NeMo; `replication/`
+"""The structure rules: the engine below `lightning/` and `nemo/` never imports Lightning or NeMo (nor does
+`megatron/`, megatron-core's side, which a Megatron-Bridge or Megatron-LM door reuses); `replication/`
 and `restart/` do not import each other; `state/` imports neither; no two modules of the package import each other,
 directly or around a loop (what runs: imports at module level and inside functions; a name imported for the type
 checker only, under `if TYPE_CHECKING:`, runs nothing)."""
@@ -17,7 +18,9 @@ ENGINE = ["nemo_checkpointless", "nemo_checkpointless.topology", "nemo_checkpoin
           "nemo_checkpointless.replication", "nemo_checkpointless.state.checkpoint",
           "nemo_checkpointless.restart", "nemo_checkpointless.restart.recovery", "nemo_checkpointless.data.loader",
           "nemo_checkpointless.data.cache", "nemo_checkpointless.launcher.local", "nemo_checkpointless.config",
-          "nemo_checkpointless.planning"]
+          "nemo_checkpointless.planning", "nemo_checkpointless.megatron.participant",
+          "nemo_checkpointless.megatron.groups", "nemo_checkpointless.megatron.numerics",
+          "nemo_checkpointless.megatron.digest"]
 
 
 def test_engine_imports_neither_lightning_nor_nemo() -> None:

@@ -1,16 +1,17 @@
-"""NeMo 2 / megatron-core integration.
+"""NeMo 2 integration.
 
-`MegatronParticipant` (the recovery engine's view of Megatron's distributed-optimizer shards) needs megatron-core
-only. `CheckpointlessMegatronStrategy` (a NeMo `MegatronStrategy`), `CheckpointlessCallback`, `MmapDataModule`
-(tier 2 for a user's data module) and `apply` (a NeMo recipe made checkpointless) import NeMo, so they are imported
-on first use: the package imports without the [nemo] extra.
+`MegatronParticipant` (the recovery engine's view of Megatron's distributed-optimizer shards, from
+`nemo_checkpointless.megatron`) needs megatron-core only. `CheckpointlessMegatronStrategy` (a NeMo
+`MegatronStrategy`), `CheckpointlessCallback`, `MmapDataModule` (tier 2 for a user's data module) and `apply` (a
+NeMo recipe made checkpointless) import NeMo, so they are imported on first use: the package imports without the
+[nemo] extra.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from nemo_checkpointless.nemo.adapter import MegatronParticipant, distributed_optimizers
+from nemo_checkpointless.megatron.participant import MegatronParticipant, distributed_optimizers
 
 if TYPE_CHECKING:
     from nemo_checkpointless.nemo.callback import CheckpointlessCallback

@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from nemo_checkpointless.config import FaultSpec
 from nemo_checkpointless.errors import ConfigError, SummaryError
-from nemo_checkpointless.nemo.digest import slice_digest
+from nemo_checkpointless.megatron.digest import slice_digest
 from nemo_checkpointless.nemo.strategy import CheckpointlessMegatronStrategy
 from nemo_checkpointless.protocol import (
     FAULT_PLAN_ENV,

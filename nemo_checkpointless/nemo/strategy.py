@@ -35,7 +35,6 @@ import math
 import os
 import struct
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,12 +49,12 @@ from nemo.lightning import MegatronStrategy  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
 from nemo_checkpointless.errors import ConfigError  # noqa: E402
-from nemo_checkpointless.nemo import numerics  # noqa: E402
-from nemo_checkpointless.nemo.adapter import MegatronParticipant, distributed_optimizers  # noqa: E402
+from nemo_checkpointless.megatron import numerics  # noqa: E402
+from nemo_checkpointless.megatron.groups import FaultWatch, one_gloo_group_per_member_set  # noqa: E402
+from nemo_checkpointless.megatron.participant import MegatronParticipant, distributed_optimizers  # noqa: E402
 from nemo_checkpointless.nemo.data import RecordingIterator, gather_step_hashes  # noqa: E402
 from nemo_checkpointless.nemo.restart import (  # noqa: E402
     NEMO_DEFAULT_SEED,
-    FaultWatch,
     InProcessLauncher,
     RedoStep,
     SkipStep,
@@ -663,41 +662,6 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         """Where this rank is in its step, for the launcher's progress watchdog (no session: nobody watches)."""
         if self._session is not None:
             self._session.beacon.mark(step, phase)
-
-
-@contextlib.contextmanager
-def one_gloo_group_per_member_set(default_timeout: datetime.timedelta | None = None) -> Iterator[None]:
-    """While megatron-core creates its groups: a gloo group asked for again with the same members, timeout and no
-    options is the group made the first time. Megatron asks for 66 groups with 4 ranks (19 distinct member sets;
-    each rank's own one-rank group 10 times, the world 5 times), each a connect through the launcher's store, and
-    every generation's `fit` makes them again. Safe because every member of a group runs the same sequence of
-    collectives on it whichever of megatron's names it uses (all ranks make the same calls in the same order, so
-    the groups' names and store keys still agree). Groups of another backend (NCCL, created lazily) or with
-    options are made as asked. A group asked for without a timeout gets `default_timeout` (megatron-core 0.15
-    passes none for its expert groups, which then had torch's 30 minutes instead of the job's failure detector,
-    and were two more connects of member sets already made)."""
-    original = dist.new_group
-    made: dict[tuple[Any, ...], Any] = {}
-
-    def new_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_options: Any = None,
-                  use_local_synchronization: bool = False, group_desc: str | None = None, **rest: Any) -> Any:
-        if timeout is None:
-            timeout = default_timeout
-        args = dict(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options,
-                    use_local_synchronization=use_local_synchronization, group_desc=group_desc, **rest)
-        name = str(backend) if backend is not None else str(dist.get_backend())
-        if rest or pg_options is not None or use_local_synchronization or name.lower() != "gloo":
-            return original(**args)
-        key = (tuple(sorted(ranks)) if ranks is not None else None, timeout)
-        if key not in made:
-            made[key] = original(**args)
-        return made[key]
-
-    dist.new_group = new_group  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        dist.new_group = original
 
 
 def _initialization_off(module: Any) -> dict[str, Any] | None:

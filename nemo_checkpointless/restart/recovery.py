@@ -411,3 +411,27 @@ class RecoveryEngine:
         assert self.checkpoints is not None
         participant.load_state(*self.checkpoints.load_rank_state(step, self.checkpoint_slot))
         self._maybe_damage_restored()
+
+
+class ReceivedState:
+    """The recovery engine's `Participant` for a replacement that has no model yet: it keeps what it receives."""
+
+    def __init__(self) -> None:
+        self.state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+
+    def progress(self) -> tuple[int, int]:
+        return -1, 0
+
+    def data_digest_hex(self) -> str:
+        return "0" * 64
+
+    def boundary_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        raise RuntimeError("a replacement has no state to send")
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        self.state = (tensors, meta)
+
+    rolls_forward = True  # as `MegatronParticipant`: every rank of a job decides alike
+
+    def finish_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        raise RuntimeError("a replacement has no step in flight")

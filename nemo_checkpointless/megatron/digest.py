@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nemo_checkpointless.nemo.adapter import MegatronParticipant, distributed_optimizers
+from nemo_checkpointless.megatron.participant import MegatronParticipant, distributed_optimizers
 
 Piece = tuple[str, str, int, int, torch.Tensor]  # param name, state key, start, end (-1: a scalar), values
 

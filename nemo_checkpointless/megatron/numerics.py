@@ -75,7 +75,7 @@ def install(model: Sequence[Any], optimizer: Any, nan_check: bool = True) -> boo
             missing += [a for b in bucket_group.buckets for a in _BUCKET_ATTRS if not hasattr(b, a)]
             if missing:
                 raise RuntimeError(f"megatron-core's bucket group lacks {sorted(set(missing))}: the N-independent "
-                                   "gradient reduction (nemo_checkpointless.nemo.numerics) is built for 0.15.x")
+                                   "gradient reduction (nemo_checkpointless.megatron.numerics) is built for 0.15.x")
             bucket_group.start_grad_sync = types.MethodType(_make_start(group, nan_check), bucket_group)
             bucket_group.finish_grad_sync = types.MethodType(_finish_grad_sync, bucket_group)
     norm = _make_grad_norm(chunks, dist.get_rank(chunks[0].dp_cp_group) == 0)

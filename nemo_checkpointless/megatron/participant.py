@@ -303,3 +303,12 @@ def _restore_all_rng(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> 
         old = current.get(name)
         states[name] = state.to(old.device) if isinstance(old, torch.Tensor) else state
     tracker.set_states(states)
+
+
+def own_boundary_state(participant: MegatronParticipant) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A survivor's state at the boundary of the step the failure interrupted (params and optimizer state are still
+    those of the boundary: no rank completed that step's gradient reduction). If the failure came between the
+    previous optimizer step and this step's snapshot, the snapshot is taken now (nothing drew from RNG between)."""
+    if participant.boundary_step != participant.completed_steps:
+        participant.at_step_boundary(participant.completed_steps)
+    return participant.boundary_state()
