@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import logging
 import math
 import os
@@ -44,6 +43,7 @@ from typing_extensions import override
 from nemo_checkpointless import protocol
 from nemo_checkpointless.errors import ConfigError
 from nemo_checkpointless.replication import ShardedOptimizer
+from nemo_checkpointless.replication.participant import ShardedParticipant
 from nemo_checkpointless.restart import Membership, PeerFailure, progress
 from nemo_checkpointless.restart.integrity import (
     DIGEST_SLOTS,
@@ -56,11 +56,8 @@ from nemo_checkpointless.restart.recovery import Decision, Parked, Reshape, Rest
 from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
 from nemo_checkpointless.restart.worker_env import die_by_signal, freeze_heap
 from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
-from nemo_checkpointless.state.rng import capture_rng, restore_rng
 from nemo_checkpointless.topology import ParallelDims, rank_info
 from nemo_checkpointless.topology.shrink import served_ranks
-
-STATE_VERSION = 1
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +118,8 @@ class _InProcessLauncher(_Launcher):
                                          restart.decision.step)
             except _Regroup:
                 strategy.keep_own_state()
-                try:
-                    strategy.session.engine.regroup(strategy)  # raises Reshape once the world is whole again
+                try:  # raises Reshape once the world is whole again
+                    strategy.session.engine.regroup(strategy.participant)
                 except Reshape as reshape:
                     log.info(f"grown back: {reshape}")
                     strategy.join = JoinSpec("kept", reshape.generation, reshape.decision.step)
@@ -265,10 +262,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._verify_checksum = verify_checksum
         self.join = JoinSpec()
         self._num_nodes = 1
-        self.sharded: ShardedOptimizer | None = None
-        self.data_digest = DataDigest()
-        self._boundary: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
-        self._rng_to_restore: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
+        self._participant: ShardedParticipant | None = None  # this rank's state (built with the session)
         self.decisions: list[Decision] = []
         self._in_step = False
         self._step_calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []  # the step's micro-batches so far
@@ -312,6 +306,21 @@ class CheckpointlessStrategy(ParallelStrategy):
     @property
     def membership(self) -> Membership:
         return self.session.membership
+
+    @property
+    def participant(self) -> ShardedParticipant:
+        """This rank's training state as the recovery engine sees it (`replication.participant`)."""
+        assert self._participant is not None, "the participant is built with the session, when fit starts"
+        return self._participant
+
+    @property
+    def sharded(self) -> ShardedOptimizer | None:
+        """The current fit's sharded optimizer (None before the first `setup`)."""
+        return self._participant.sharded if self._participant is not None else None
+
+    @property
+    def data_digest(self) -> DataDigest:
+        return self.participant.data_digest
 
     @property
     def num_nodes(self) -> int:
@@ -365,7 +374,12 @@ class CheckpointlessStrategy(ParallelStrategy):
         self.integrity, self.nan_guard = checks_from_settings(
             self._session.engine, self._session.dims, self._session.env.rank, self._integrity_every_arg,
             self._nan_policy_arg, "CheckpointlessStrategy")
-        self._session.faults.attach(self.flip_bit)  # the fault plan's hooks (a restore damaged: a bit of the shard)
+        info = rank_info(self._session.dims, self._session.env.rank)
+        self._participant = ShardedParticipant(
+            self._session.position, lambda: [cfg.scheduler for cfg in self.lr_scheduler_configs],
+            dp_size=self._session.dims.dp, world_size=self._session.env.world_size,
+            num_instances=self.num_instances, shard_index=info.shard_index)
+        self._session.faults.attach(self._participant.flip_bit)  # the fault plan's hooks (a restore damaged: a bit)
 
     @property
     def shrink_enabled(self) -> bool:
@@ -452,8 +466,9 @@ class CheckpointlessStrategy(ParallelStrategy):
             raise ConfigError("LightningModule.automatic_optimization", False,
                               "CheckpointlessStrategy steps the optimizer itself (it shards and replicates it)",
                               "use automatic optimization")
-        membership, info = self.membership, self.info
-        self.sharded = ShardedOptimizer(
+        membership, info, participant = self.membership, self.info, self.participant
+        participant.host_copies = self.on_cuda  # what is sent, checkpointed or kept is a host copy
+        participant.sharded = sharded = ShardedOptimizer(
             self.lightning_module, self.optimizers[0], dp_size=self.session.dims.dp,
             num_instances=self.num_instances, shard_index=info.shard_index, dp_group=lambda: membership.world(),
             instance_group=lambda: membership.group("instance", info.shard_group), grad_clip=self.grad_clip,
@@ -461,23 +476,23 @@ class CheckpointlessStrategy(ParallelStrategy):
         if self.join.kind == "kept":  # the same rank, its world reshaped: its own state, kept in memory
             assert self._kept is not None
             self.lightning_module.zero_grad(set_to_none=True)
-            self.load_state(*self._kept)
+            participant.load_state(*self._kept)
             self._kept = None
             self.session.stamps.track(self.join.generation)
             step = self.join.step
         elif self.join.kind == "replacement":
-            decision = self.session.engine.join(self, self.join.generation)
+            decision = self.session.engine.join(participant, self.join.generation)
             self.decisions.append(decision)
             self.session.stamps.track(self.membership.generation)
             step = decision.step
         elif self.join.kind in ("checkpoint", "rollback"):  # a rollback: the integrity check's, not a recovery
-            self.session.engine.load_checkpoint(self, self.join.step)
+            self.session.engine.load_checkpoint(participant, self.join.step)
             if self.join.kind == "checkpoint":
                 self.session.stamps.track(self.join.generation)
             step = self.join.step
         else:
             step = 0
-        self.sharded.completed_steps = step
+        sharded.completed_steps = step
         self.session.position.step = step
         # A fit entered at a boundary the survivors may already have passed (a replacement) checks nothing there:
         # the ranks that were there did, and the restore itself is verified below.
@@ -496,7 +511,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._served = served_ranks(self.session.dims, active, self.session.env.rank)
         # The first instance that trains writes the persistent checkpoint (instance 0 unless the job shrank without it)
         self._writer_instance = min(rank_info(self.session.dims, r).instance for r in active) if active else 0
-        self.sharded.average_over = len(active) if active is not None else self.session.dims.dp
+        sharded.average_over = len(active) if active is not None else self.session.dims.dp
         if self._user_accumulate is None:
             self._user_accumulate = trainer.accumulate_grad_batches
         trainer.accumulate_grad_batches = self._user_accumulate * len(self._served)
@@ -513,7 +528,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         to compare); raises `RestartFromCheckpoint` when the restored state fails it."""
         if self.integrity is None or self.membership.active is not None or self.world_size < 2:
             return
-        self.integrity.verify_restore(self, step, sources, how)
+        self.integrity.verify_restore(self.participant, step, sources, how)
 
     @property
     def _side_numel(self) -> int:
@@ -524,7 +539,7 @@ class CheckpointlessStrategy(ParallelStrategy):
 
     def keep_own_state(self) -> None:
         """Keep this rank's step-boundary state in memory across a re-entry of `fit` (a reshaped world)."""
-        self._kept = self.boundary_state()
+        self._kept = self.participant.boundary_state()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -675,13 +690,9 @@ class CheckpointlessStrategy(ParallelStrategy):
         needs (small: RNG, scheduler, data) and write the persistent checkpoint when due. True there."""
         if self._in_step:
             return False
-        if self._rng_to_restore is not None:
-            restore_rng(*self._rng_to_restore)
-            self._rng_to_restore = None
-        meta, tensors = capture_rng()
-        self._boundary = (meta, tensors)
-        assert self.sharded is not None
-        step = self.sharded.completed_steps
+        participant = self.participant
+        participant.at_step_boundary()
+        step = participant.completed_steps
         if self._regroup:
             raise _Regroup()  # caught by the launcher: every rank of the shrunk world leaves `fit` here
         every = self.session.checkpoint_every
@@ -691,7 +702,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         if (checkpoint_due and self.info.instance == self._writer_instance
                 and self.session.checkpoints is not None):
             self.session.beacon.mark(step, progress.CHECKPOINT)
-            tensors_out, meta_out = self.boundary_state()
+            tensors_out, meta_out = participant.boundary_state()
             self.session.checkpoints.save_shard(step, self.info.checkpoint_slot, tensors_out, meta_out,
                                                 shared_prefix="param.")
         return True
@@ -711,11 +722,9 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._adopt_repaired_rng()
 
     def _adopt_repaired_rng(self) -> None:
-        """After a vote that repaired this rank (`load_state` left the source's boundary RNG in `_rng_to_restore`):
-        the boundary's RNG is the majority's, taken now and kept for a replay or a replacement."""
-        if self._rng_to_restore is not None:
-            self._boundary, self._rng_to_restore = self._rng_to_restore, None
-            restore_rng(*self._boundary)
+        """After a vote that repaired this rank: the boundary's RNG is the majority's, taken now and kept for a replay
+        or a replacement."""
+        self.participant.adopt_loaded_rng()
 
     @property
     def _votes(self) -> bool:
@@ -727,10 +736,8 @@ class CheckpointlessStrategy(ParallelStrategy):
         """The replicas' vote on the state of boundary `step` (`IntegrityCheck.run`): "ok" or "repair" (this
         rank's state then came from a majority rank, its RNG waiting in `_rng_to_restore`); raises
         `RestartFromCheckpoint` on a rollback, `PeerFailure` if a peer fails meanwhile."""
-        assert self.sharded is not None and self.integrity is not None
-        held = sum(g.flat.numel() * g.flat.element_size() for g in self.sharded.groups) + sum(
-            t.numel() * t.element_size() for t in self.sharded.shard_state().values())
-        return self.integrity.run(self, step, held)
+        assert self.integrity is not None
+        return self.integrity.run(self.participant, step, self.participant.held_bytes())
 
     @property
     def _digests_every_step(self) -> bool:
@@ -749,47 +756,12 @@ class CheckpointlessStrategy(ParallelStrategy):
         out["step_digest_s"] = round(self._step_digest_s, 4)  # the per-step replica digests, this rank, all steps
         return out
 
-    def integrity_digests(self) -> tuple[int, int, bool]:
-        from nemo_checkpointless.state.integrity import crc
-
-        assert self.sharded is not None
-        flats = [g.flat for g in self.sharded.groups]
-        shard = [t for _, t in sorted(self.sharded.shard_state().items())]
-        # A NaN or an infinity anywhere makes the sum one: a pass that allocates nothing.
-        finite = all(math.isfinite(float(t.sum())) for t in [*flats, *shard] if t.is_floating_point())
-        return crc(flats), crc(shard), finite
-
-    def flip_bit(self, target: str = "shard") -> None:
-        """Fault plan kinds `bitflip` and `corrupt_restore` (`restart.faults.Injector`): one bit flipped in memory,
-        silently. `target` "shard": this rank's optimizer shard (the first optimizer state tensor, e.g. AdamW's
-        exp_avg; before the first step, the shard's parameter slice); "param": this rank's copy of the parameters,
-        outside its own shard (the injector calls it at the end of the step in flight, after its all-gather: memory
-        corrupted at rest, which the next forward would use)."""
-        assert self.sharded is not None
-        if target == "param":
-            g = self.sharded.groups[0]
-            index = (g.hi + g.flat.numel() // 3) % g.flat.numel()  # outside [lo, hi) when the shard is a part
-            if g.lo <= index < g.hi:
-                index = (g.hi + 1) % g.flat.numel()
-            g.flat.view(torch.int32)[index] ^= 1 << 12
-            log.info(f"bitflip: bit 12 of element {index} of the parameters")
-            return
-        state = self.sharded.shard_state()
-        name = next((n for n in sorted(state) if not n.endswith(".param") and state[n].numel() > 1), None)
-        tensor = state[name] if name is not None else state["group0.param"]
-        flat = tensor.detach().view(-1).view(torch.int32)
-        flat[flat.numel() // 3] ^= 1 << 12
-        log.info(f"bitflip: bit 12 of element {flat.numel() // 3} of "
-              f"{name or 'group0.param'}")
-
     def _apply_poison(self, step: int) -> None:
         """Fault plan kinds `nan` (once) and `nan_batch` (every time step `step` is computed on this rank): one
         element of this rank's gradient is made NaN after the step's backward, before the gradient all-reduce."""
         if not self.session.faults.poisoned(step):
             return
-        assert self.sharded is not None
-        grad = next(p.grad for p in self.sharded.parameters() if p.grad is not None)
-        grad.view(-1)[0] = float("nan")
+        self.participant.poison_gradient()
         log.info(f"injected: a NaN in the gradient of step {step}")
 
     def _step_samples(self) -> Any:
@@ -832,8 +804,8 @@ class CheckpointlessStrategy(ParallelStrategy):
         slot = self.global_rank
         if self._served_loader is not None and self._served_loader.slots:
             slot = self._served_loader.slots.pop(0)
-            if self._slot is not None and slot != self._slot and self._boundary is not None:
-                restore_rng(*self._boundary)
+            if self._slot is not None and slot != self._slot:
+                self.participant.restore_boundary_rng()
         self._slot = slot
         before = self._step_hashes.get(slot)
         self._step_hashes[slot] = digest if before is None else hashlib.sha256(before + digest).digest()
@@ -864,7 +836,7 @@ class CheckpointlessStrategy(ParallelStrategy):
 
     def _recover(self, failure: PeerFailure) -> None:
         """Raises RestartFromCheckpoint when peers cannot help, or when the restored state fails its verification."""
-        decision = self.session.engine.recover(self, failure)
+        decision = self.session.engine.recover(self.participant, failure)
         self.decisions.append(decision)
         self.session.stamps.track(self.membership.generation)
         if self.integrity is not None:  # the replicas are compared once the first step after it is done
@@ -879,8 +851,8 @@ class CheckpointlessStrategy(ParallelStrategy):
 
     def _replay(self, micro_batches: int) -> None:
         """Back to the step's boundary: RNG as it was, no gradients; then the step's first `micro_batches` again."""
-        assert self._boundary is not None and self.lightning_module is not None
-        restore_rng(*self._boundary)
+        assert self.lightning_module is not None
+        self.participant.restore_boundary_rng()
         self.lightning_module.zero_grad(set_to_none=True)
         trainer = self.lightning_module.trainer
         self._step_collectives = 0
@@ -970,8 +942,8 @@ class CheckpointlessStrategy(ParallelStrategy):
                     break
         assert summed is not None  # the step's gradient all-reduce completed (a step is never done without it)
         if self.session.faults.flip_param_now():  # fault plan kind bitflip, target param
-            self.flip_bit("param")
-        self.data_digest.update(decode_hashes(summed[:hashes]))
+            self.participant.flip_bit("param")
+        self.participant.data_digest.update(decode_hashes(summed[:hashes]))
         # Every rank of the shrunk world sees the same sum: they all leave at the next boundary, or none does.
         self._regroup = self.membership.active is not None and bool(summed[hashes] > 0)
         self._step_hashes = {}
@@ -987,7 +959,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         A shrunk world does not end shrunk: it grows back first (`_Regroup`, the spares started for the missing
         ranks taking them, waited for if still starting), so that every rank, the parked ones too, leaves `fit` with
         the final state and runs what the script does after it (rank 0 saving the model, typically)."""
-        self._boundary = capture_rng()  # after the last step: the boundary a replacement would receive
+        self.participant.at_step_boundary()  # after the last step: the boundary a replacement would receive
         if self.membership.active is not None:
             raise _Regroup()  # every rank of the shrunk world is here after the same last step
         assert self.sharded is not None
@@ -1010,83 +982,6 @@ class CheckpointlessStrategy(ParallelStrategy):
     def _in_flight_step(self) -> int:
         assert self.sharded is not None
         return self.sharded.completed_steps + 1
-
-    # ------------------------------------------------------------------------- the recovery engine's view
-    def progress(self) -> tuple[int, int]:
-        assert self.sharded is not None
-        # The sharded optimizer's phase 2 (its shard updated, the instance's all-gather in flight) is the engine's
-        # `recovery.GATHERING`: the phase in which a survivor can be rolled forward.
-        return self.sharded.completed_steps, self.sharded.phase
-
-    rolls_forward = True
-
-    def finish_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """The step in flight completed from a replica's parameters: this rank's instance lost a partner in the
-        parameter all-gather, after this rank had updated its own shard (which the replica's equals; the
-        integrity check compares them after the recovery). Its RNG, schedule and data are already the step's."""
-        assert self.sharded is not None
-        if meta["step"] != self.sharded.completed_steps + 1:
-            raise ValueError(f"parameters of step {meta['step']} offered to finish step "
-                             f"{self.sharded.completed_steps + 1}")
-        self.sharded.complete_from([tensors[f"param.group{i}"] for i in range(len(self.sharded.groups))])
-
-    def data_digest_hex(self) -> str:
-        return self.data_digest.hexdigest
-
-    def boundary_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        assert self.sharded is not None and self._boundary is not None
-        rng_meta, rng_tensors = self._boundary
-        tensors: dict[str, torch.Tensor] = dict(rng_tensors)
-        for i, g in enumerate(self.sharded.groups):
-            tensors[f"param.group{i}"] = g.flat
-        for name, t in self.sharded.shard_state().items():
-            if not name.endswith(".param"):
-                tensors[f"shard.{name}"] = t
-        if self.on_cuda:  # what is sent, checkpointed or kept is a host copy, as every reader expects
-            tensors = {name: t.to("cpu", copy=True) if t.is_cuda else t for name, t in tensors.items()}
-        schedulers = [cfg.scheduler.state_dict() for cfg in self.lr_scheduler_configs]
-        meta = {
-            "version": STATE_VERSION,
-            "step": self.sharded.completed_steps,
-            "world_size": self.world_size,
-            "num_instances": self.num_instances,
-            "shard_index": self.info.shard_index,
-            "lrs": [g["lr"] for g in self.sharded.optimizer.param_groups],
-            "schedulers": json.loads(json.dumps(schedulers)),
-            "rng": rng_meta,
-            "data_digest": self.data_digest.to_json(),
-            "data_position": {"step": self.sharded.completed_steps, "dp_size": self.session.dims.dp},
-        }
-        return tensors, meta
-
-    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        assert self.sharded is not None
-        if meta.get("version") != STATE_VERSION:
-            raise ValueError(f"state version {meta.get('version')}, this build reads {STATE_VERSION}")
-        if meta["data_position"]["dp_size"] != self.session.dims.dp:
-            raise ValueError(f"state saved with data-parallel size {meta['data_position']['dp_size']}, "
-                             f"this job has {self.session.dims.dp}: the data position would not be exact")
-        if meta["shard_index"] != self.info.shard_index or meta["num_instances"] != self.num_instances:
-            raise ValueError(f"state of shard {meta['shard_index']} (N={meta['num_instances']}) offered to shard "
-                             f"{self.info.shard_index} (N={self.num_instances})")
-        opt = self.sharded.optimizer
-        for i, g in enumerate(self.sharded.groups):
-            g.flat.copy_(tensors[f"param.group{i}"])
-            # Shard-shaped state goes to the shard's device; scalars (AdamW's `step`) stay on the host unless the
-            # optimizer keeps them on the device (capturable / fused), as the optimizer itself would create them.
-            on_device = bool(opt.param_groups[i].get("capturable") or opt.param_groups[i].get("fused"))
-            state = {name.split(".", 2)[2]: t.to(g.flat.device if on_device or t.shape == g.shard.shape
-                                                 else "cpu", copy=True)
-                     for name, t in tensors.items() if name.startswith(f"shard.group{i}.")}
-            opt.state[g.shard] = state
-        for group, lr in zip(opt.param_groups, meta["lrs"], strict=True):
-            group["lr"] = lr
-        for cfg, sd in zip(self.lr_scheduler_configs, meta["schedulers"], strict=True):
-            cfg.scheduler.load_state_dict(sd)
-        self._rng_to_restore = (meta["rng"], {k: v for k, v in tensors.items() if k.startswith("rng.")})
-        self.data_digest = DataDigest(meta["data_digest"]["hexdigest"], meta["data_digest"]["steps"])
-        self.sharded.completed_steps = meta["step"]
-        self.session.position.step = meta["step"]
 
     # ------------------------------------------------------------------------------------------ collectives
     @override
@@ -1157,19 +1052,9 @@ class CheckpointlessStrategy(ParallelStrategy):
         super().teardown()
 
     def rank_state_digests(self) -> dict[str, str]:
-        """This rank's own view, no collective: sha256 of its full parameters and of its optimizer shard (state
-        and parameter slice). Two runs agree on a rank exactly when that rank's state is bitwise equal."""
-        from nemo_checkpointless.state.hashing import state_digest
-
-        assert self.sharded is not None
-        params = {f"group{i}": g.flat for i, g in enumerate(self.sharded.groups)}
-        return {"params_sha256": state_digest(params, {}),
-                "shard_sha256": state_digest({}, {"shard": self.sharded.shard_state()})}
+        """This rank's own view, no collective: sha256 of its full parameters and of its optimizer shard."""
+        return self.participant.rank_state_digests()
 
     def full_state_digest(self) -> str:
         """Hash of all params and optimizer state (collective over each instance; every rank gets its instance's)."""
-        from nemo_checkpointless.state.hashing import state_digest
-
-        assert self.sharded is not None
-        params, state = self.sharded.full_state()
-        return state_digest(params, state)
+        return self.participant.full_state_digest()
