@@ -191,7 +191,7 @@ def test_a_strategy_and_callback_that_do_not_pair_stop_before_training(flag: str
 
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_one_and_two_optimizer_instances_end_with_the_same_state(reference: dict[str, Any], tmp_path: Path) -> None:
-    """N=1 and N=2 (DP=4), fault-free: the same `state_sha256` (`nemo.numerics`: one gradient all-reduce over the
+    """N=1 and N=2 (DP=4), fault-free: the same `state_sha256` (`megatron.numerics`: one gradient all-reduce over the
     whole data-parallel group and a locally computed norm, whatever N), and the parameters moved from init. The
     N=2 run is the module's reference (the script's default N)."""
     run_dir = tmp_path / "n1"

@@ -5,7 +5,7 @@ Per step: the fault plan's faults (tests, benchmarks; each fires once per job, e
 stamps the launcher turns into each recovery's record. At the end, every rank writes `RUN_DIR/nemo_rank<r>.json` (its
 pid and the sha256 of its parameters, optimizer shard and RNG), and rank 0 writes `RUN_DIR/worker_summary.json`
 (what `checkpointless-run` puts in `summary.json`): the final step, `state_sha256` (every TP/PP slice's parameters
-and optimizer state whole, `nemo.digest`: equal exactly when the states are bitwise equal, however the shards are
+and optimizer state whole, `megatron.digest`: equal exactly when the states are bitwise equal, however the shards are
 cut into 1 or N optimizer instances) and `data_sha256` (the global batches, defined as on the Lightning path, so the two
 engines agree on it for the same data settings).
 

@@ -9,7 +9,7 @@ What it adds to `MegatronStrategy`:
 - a `MegatronParticipant` (`self.participant`) over the wrapped model and the distributed optimizer: its RNG
   snapshot is taken before every training step and its step count follows the optimizer steps, so the recovery
   engine can read or replace this rank's shard at any step boundary;
-- megatron's gradient reduction and clipping norm replaced by N-independent ones (`nemo.numerics`, for every N), so
+- megatron's gradient reduction and clipping norm replaced by N-independent ones (`megatron.numerics`, for every N), so
   runs with 1 and N optimizer instances train bitwise alike.
 
 Under `checkpointless-run` (or `checkpointless-train`), in-process replacement (`nemo.restart`): the strategy's
@@ -161,7 +161,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.nan_guard: NanGuard | None = None  # non-finite gradients, attributed (built with the session)
         self._nan_policy_arg = nan_policy
         self._local_norm = 0.0  # this rank's own gradient norm in the step in flight, before the reduction
-        self.n_independent = False  # whether `nemo.numerics` replaced megatron's gradient reduction (at setup)
+        self.n_independent = False  # whether `megatron.numerics` replaced megatron's gradient reduction (at setup)
         self.dims: ParallelDims | None = None
         self.pg_timeout_s = pg_timeout_s
         self._checkpoint_every_arg, self._checkpoint_dir_arg = checkpoint_every_n_steps, checkpoint_dir
@@ -372,7 +372,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         if not self.global_batch_size and self.data_sampler is not None:
             self.global_batch_size = int(getattr(self.data_sampler, "global_batch_size", 0) or 0)
         info = rank_info(self.dims, self.global_rank)
-        # The same gradient summation order and norm for every N (`nemo.numerics`), N=1 included.
+        # The same gradient summation order and norm for every N (`megatron.numerics`), N=1 included.
         self.n_independent = numerics.install(list(self.megatron_parallel), self.optimizers[0],
                                               nan_check=self.nan_guard is None)
         self.participant = MegatronParticipant(

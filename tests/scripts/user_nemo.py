@@ -34,7 +34,8 @@ from nemo.collections import llm
 from nemo.collections.llm.gpt.model.llama import Llama3Config
 from nemo.lightning.pytorch.optim import CosineAnnealingScheduler
 
-from nemo_checkpointless.nemo import CheckpointlessCallback, CheckpointlessMegatronStrategy, MmapDataModule, numerics
+from nemo_checkpointless.megatron import numerics
+from nemo_checkpointless.nemo import CheckpointlessCallback, CheckpointlessMegatronStrategy, MmapDataModule
 
 
 class ByteVocabulary:
@@ -107,7 +108,7 @@ class ParamsDigest(pl.Callback):
 
 class AlternateReduction(pl.Callback):
     """`--ab-reduction`: a timing run. Odd steps run with megatron-core's own gradient reduction and norm, even
-    steps with `nemo.numerics`' (N-independent); each step's wall time is recorded and rank 0 prints the medians
+    steps with `megatron.numerics`' (N-independent); each step's wall time is recorded and rank 0 prints the medians
     of the steps after the first four (the warm-up) and their ratio. Its parameters are not those of either."""
 
     def __init__(self) -> None:
