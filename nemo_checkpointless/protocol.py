@@ -14,6 +14,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,6 +110,27 @@ def fault_ranks_key(generation: int) -> str:
 def hang_key(generation: int) -> str:
     """Set by a rank whose collective of `generation` timed out: asks the launcher to find the hung rank."""
     return f"job/hang/{generation}"
+
+
+def group_prefix(generation: int, name: str, ranks: Sequence[int]) -> str:
+    """The store keys of one of the package's process groups (`restart.groups.Group`) in `generation`."""
+    return f"gen{generation}/{name}/{','.join(map(str, ranks))}"
+
+
+def default_group_prefix(generation: int, fits: int) -> str:
+    """The store keys of the NeMo door's default group (and megatron's groups made from it) for the `fits`-th fit
+    entered in `generation` (0: the first; a later one after the replicas' vote re-entered `fit`)."""
+    return f"nemo/gen{generation}/" if not fits else f"nemo/gen{generation}.{fits}/"
+
+
+_GROUP_KEY = re.compile(r"(?:nemo/)?gen(\d+)[./]")
+
+
+def group_generation(key: str) -> int | None:
+    """The generation whose process groups a store key belongs to (`group_prefix`, `default_group_prefix`); None:
+    the key is not a group's."""
+    match = _GROUP_KEY.match(key)
+    return int(match.group(1)) if match else None
 
 
 def alive_key(generation: int, rank: int) -> str:

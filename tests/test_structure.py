@@ -16,7 +16,8 @@ import pytest
 
 ENGINE = ["nemo_checkpointless", "nemo_checkpointless.topology", "nemo_checkpointless.state",
           "nemo_checkpointless.replication", "nemo_checkpointless.state.checkpoint",
-          "nemo_checkpointless.restart", "nemo_checkpointless.restart.recovery", "nemo_checkpointless.data.loader",
+          "nemo_checkpointless.restart", "nemo_checkpointless.restart.recovery", "nemo_checkpointless.restart.runtime",
+          "nemo_checkpointless.replication.participant", "nemo_checkpointless.data.loader",
           "nemo_checkpointless.data.cache", "nemo_checkpointless.launcher.local", "nemo_checkpointless.config",
           "nemo_checkpointless.planning", "nemo_checkpointless.megatron.participant",
           "nemo_checkpointless.megatron.groups", "nemo_checkpointless.megatron.numerics",

@@ -14,47 +14,40 @@ collective of its own before its gradient all-reduce, the gradients it already c
 `self.log(..., sync_dist=True)` or `self.all_gather` in `training_step`) is replayed from its boundary on every
 survivor (RNG restored, the step's micro-batches run again), in step with the replacement that runs it for the
 first time. A fallback to the persistent checkpoint leaves the fit loop and enters it again in the same process
-(the strategy's launcher), at the checkpoint's step.
+(the strategy's launcher, `lightning.launcher`), at the checkpoint's step.
 
-The data position: the train loader's sampler (Lightning's `DistributedSampler`, or the user's own) is wrapped
-so that a (re)entered `fit` starts at the recovered step's sample, and Lightning's loop counters (epoch, batch in
-the epoch, optimizer steps) are set to the same place; nothing iterates the loader to get there.
+What a rank does around its step whatever the framework (the replicas' vote, the persistent checkpoint, the
+per-step replica digest and NaN attribution, the end-of-training barrier) is the engine's (`restart.runtime`);
+the data position (a (re)entered `fit` starts at the recovered step's sample, Lightning's loop counters at the
+same place) is `lightning.loader`'s. This module maps Lightning's hooks onto them.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
-import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 from typing_extensions import override
 
 from nemo_checkpointless import protocol
 from nemo_checkpointless.errors import ConfigError
+from nemo_checkpointless.lightning.launcher import InProcessLauncher, Regroup
+from nemo_checkpointless.lightning.loader import TrainPosition
 from nemo_checkpointless.replication import ShardedOptimizer
 from nemo_checkpointless.replication.participant import ShardedParticipant
 from nemo_checkpointless.restart import Membership, PeerFailure, progress
-from nemo_checkpointless.restart.integrity import (
-    DIGEST_SLOTS,
-    IntegrityCheck,
-    NanGuard,
-    checks_from_settings,
-    encode_digest,
-)
-from nemo_checkpointless.restart.recovery import Decision, Parked, Reshape, RestartFromCheckpoint
+from nemo_checkpointless.restart.integrity import DIGEST_SLOTS, encode_digest
+from nemo_checkpointless.restart.recovery import Decision
+from nemo_checkpointless.restart.runtime import RankRuntime
 from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
-from nemo_checkpointless.restart.worker_env import die_by_signal, freeze_heap
 from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
 from nemo_checkpointless.topology import ParallelDims, rank_info
 from nemo_checkpointless.topology.shrink import served_ranks
@@ -67,152 +60,6 @@ def _set_rank_zero(rank: int) -> None:
     from lightning_utilities.core.rank_zero import rank_zero_only
 
     rank_zero_only.rank = rank  # type: ignore[attr-defined]
-
-
-def _set_counters(tracker: Any, value: int) -> None:
-    """A Lightning progress tracker at `value` (every stage of it: ready, started, processed, completed)."""
-    for stage in ("ready", "started", "processed", "completed"):
-        if hasattr(tracker, stage):
-            setattr(tracker, stage, value)
-
-
-class _Regroup(Exception):  # a control-flow signal
-    """The shrunk world agreed to grow back after the step this rank just completed: leave `fit` at the boundary."""
-
-
-class _InProcessLauncher(_Launcher):
-    """`trainer.fit` in this process. A hot spare waits here for the rank it replaces; a fallback to the persistent
-    checkpoint (`RestartFromCheckpoint`) leaves the fit loop and enters it again here, in the same process; so does
-    a change of the world's shape (`Reshape`: shrunk to the whole optimizer instances, or grown back), with this
-    rank's own state; a rank left out of a shrunk world (`Parked`) waits here until the job grows back."""
-
-    def __init__(self, strategy: CheckpointlessStrategy) -> None:
-        self.strategy = strategy
-
-    @property
-    @override
-    def is_interactive_compatible(self) -> bool:
-        return True
-
-    def kill(self, signum: Any) -> None:
-        """Lightning calls this when the process gets SIGTERM: `die_by_signal`."""
-        die_by_signal(signum)
-
-    @override
-    def launch(self, function: Callable[..., Any], *args: Any, trainer: pl.Trainer | None = None,
-               **kwargs: Any) -> Any:
-        strategy = self.strategy
-        freeze_heap()  # once per process: what the script built before fit stays out of later collections
-        strategy.ensure_session()
-        while True:
-            try:
-                return function(*args, **kwargs)
-            except RestartFromCheckpoint as restart:
-                log.warning(f"{restart}")
-                if restart.decision.step == 0:
-                    # No checkpoint: back to the seeded initial state, which only the user's script builds (before
-                    # `fit`): the job starts again, every process of it.
-                    log.warning("no checkpoint to go back to: the job restarts from the start")
-                    os._exit(protocol.RESTART_ALL_EXIT_CODE)
-                strategy.join = JoinSpec("checkpoint" if restart.recovery else "rollback", restart.generation,
-                                         restart.decision.step)
-            except _Regroup:
-                strategy.keep_own_state()
-                try:  # raises Reshape once the world is whole again
-                    strategy.session.engine.regroup(strategy.participant)
-                except Reshape as reshape:
-                    log.info(f"grown back: {reshape}")
-                    strategy.join = JoinSpec("kept", reshape.generation, reshape.decision.step)
-                except RestartFromCheckpoint as restart:
-                    log.warning(f"{restart}")
-                    if restart.decision.step == 0:
-                        log.warning("no checkpoint to go back to: the job restarts from the start")
-                        os._exit(protocol.RESTART_ALL_EXIT_CODE)
-                    strategy.join = JoinSpec("checkpoint", restart.generation, restart.decision.step)
-            except Reshape as reshape:
-                log.info(f"{reshape}")
-                strategy.keep_own_state()
-                strategy.join = JoinSpec("kept", reshape.generation, reshape.decision.step)
-            except Parked as parked:
-                log.info(f"{parked}")
-                assert trainer is not None
-                trainer._teardown()
-                strategy.join = JoinSpec("replacement", strategy.session.engine.wait_to_rejoin())
-                log.info(f"rejoins at generation {strategy.join.generation}")
-                trainer.fit_loop._combined_loader = None
-                continue
-            assert trainer is not None
-            trainer._teardown()
-            # The next fit processes the user's train loader again (a fresh iterator at the new position).
-            trainer.fit_loop._combined_loader = None
-
-
-class _ResumingSampler(Sampler[int]):
-    """The train loader's sampler, started `skip()` samples into its epoch on the first iteration after a (re)entry
-    into `fit`; epochs, shuffling and sharding are the wrapped sampler's (Lightning calls its `set_epoch`)."""
-
-    def __init__(self, inner: Any, skip: Callable[[], int]) -> None:
-        self.inner = inner
-        self.skip = skip
-
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(iter(self.inner), self.skip(), None)
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def set_epoch(self, epoch: int) -> None:
-        if callable(getattr(self.inner, "set_epoch", None)):
-            self.inner.set_epoch(epoch)
-
-
-class _ServedBatches(Sampler[list[int]]):
-    """A shrunk world's train batches for one rank: in each step, `accumulate` micro-batches of every rank it serves
-    (`topology.shrink.served_ranks`), in rank order, each drawn from that rank's own sampler (a copy of the
-    `DistributedSampler` with its rank): the same samples, step for step, as the full world trains. Skips the
-    steps already trained in the epoch when iterated; `slots` says whose each yielded micro-batch is."""
-
-    def __init__(self, template: BatchSampler, own: DistributedSampler, served: tuple[int, ...], accumulate: int,
-                 skip_steps: Callable[[], int]) -> None:
-        import copy
-
-        self.template = template
-        self.accumulate = accumulate
-        self.skip_steps = skip_steps
-        self.served = served
-        self.samplers: list[DistributedSampler] = []
-        for rank in served:
-            sampler = copy.copy(own)
-            sampler.rank = rank
-            self.samplers.append(sampler)
-        self.sampler = self  # Lightning sets the epoch through `batch_sampler.sampler.set_epoch`
-        self.slots: list[int] = []
-
-    def set_epoch(self, epoch: int) -> None:
-        for sampler in self.samplers:
-            sampler.set_epoch(epoch)
-
-    def _batches(self, sampler: DistributedSampler) -> Iterator[list[int]]:
-        return iter(BatchSampler(sampler, self.template.batch_size, self.template.drop_last))
-
-    def __iter__(self) -> Iterator[list[int]]:
-        self.slots = []
-        iters = [self._batches(s) for s in self.samplers]
-        skip = self.skip_steps() * self.accumulate
-        for it in iters:
-            for _ in itertools.islice(it, skip):
-                pass
-        while True:
-            blocks = [list(itertools.islice(it, self.accumulate)) for it in iters]
-            if not blocks[0]:
-                return
-            for rank, block in zip(self.served, blocks, strict=True):
-                for batch in block:
-                    self.slots.append(rank)
-                    yield batch
-
-    def __len__(self) -> int:
-        return len(self.template) * len(self.served)
 
 
 class CheckpointlessStrategy(ParallelStrategy):
@@ -263,33 +110,21 @@ class CheckpointlessStrategy(ParallelStrategy):
         self.join = JoinSpec()
         self._num_nodes = 1
         self._participant: ShardedParticipant | None = None  # this rank's state (built with the session)
-        self.decisions: list[Decision] = []
+        self._runtime: RankRuntime | None = None  # the per-step duties (built with the session)
         self._in_step = False
         self._step_calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []  # the step's micro-batches so far
         self._step_collectives = 0  # collectives of the user's code in the step in flight
         self._replaying = False
-        self._skip_samples = 0
-        self._loops_resumed = False
-        self.cache_batches = cache_batches
-        self.cache_prefetch, self.cache_lookback = 16, 4
         # A shrunk world (`topology.shrink`): the ranks whose micro-batches this rank trains in each step (itself
         # alone in the whole world), the micro-batches per rank and step the user asked for, each served rank's
         # batch hash of the step in flight, and the state kept across a re-entry of `fit` (`Reshape`).
-        self._served: tuple[int, ...] = ()
-        self._user_accumulate: int | None = None
         self._step_hashes: dict[int, bytes] = {}
         self._slot: int | None = None
-        self._served_loader: _ServedBatches | None = None
         self._kept: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
         self._regroup = False  # the shrunk world agreed to grow back after the step just completed
-        self._writer_instance = 0
         self._integrity_every_arg = integrity_every_n_steps
-        self.integrity: IntegrityCheck | None = None  # the cross-replica check (built with the session)
-        self._step_digest_s = 0.0  # time this rank spent on its per-step replica digests (`shard_digest`)
         self._nan_policy_arg = nan_policy
-        self.nan_guard: NanGuard | None = None  # non-finite gradients (built with the session)
-        self._entered_at = -1  # the boundary this fit started at, after a join or a restore (-1: a fresh start)
-        self._cached: Any = None  # the CachedTrainLoader of the current fit
+        self.loader = TrainPosition(cache_batches, self.shrink_enabled)  # the train loader's data position
         env = os.environ
         if protocol.SPARE_ID_ENV in env:
             _set_rank_zero(-1)  # a spare says nothing as "rank 0" before it has a rank
@@ -312,6 +147,16 @@ class CheckpointlessStrategy(ParallelStrategy):
         """This rank's training state as the recovery engine sees it (`replication.participant`)."""
         assert self._participant is not None, "the participant is built with the session, when fit starts"
         return self._participant
+
+    @property
+    def runtime(self) -> RankRuntime:
+        assert self._runtime is not None, "the runtime is built with the session"
+        return self._runtime
+
+    @property
+    def decisions(self) -> list[Decision]:
+        """The recoveries this rank took part in, in order."""
+        return self.runtime.decisions
 
     @property
     def sharded(self) -> ShardedOptimizer | None:
@@ -342,7 +187,7 @@ class CheckpointlessStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        self._launcher = _InProcessLauncher(self)
+        self._launcher = InProcessLauncher(self)
 
     # ------------------------------------------------------------------------------------------ environment
     def ensure_session(self) -> None:
@@ -371,9 +216,9 @@ class CheckpointlessStrategy(ParallelStrategy):
                               "needs num_instances >= 2: with one optimizer instance there is nothing to shrink to",
                               "use --num-instances 2 (CheckpointlessStrategy(num_instances=2)), or drop --shrink")
         self._session.engine.extra_patience_s = env_number(protocol.REPLACEMENT_TIMEOUT_ENV, 0.0)
-        self.integrity, self.nan_guard = checks_from_settings(
-            self._session.engine, self._session.dims, self._session.env.rank, self._integrity_every_arg,
-            self._nan_policy_arg, "CheckpointlessStrategy")
+        self._runtime = RankRuntime.create(
+            self._session, self._integrity_every_arg, self._nan_policy_arg, "CheckpointlessStrategy",
+            whole=lambda: self.membership.active is None)  # a shrunk world's dropped copies: nothing to compare
         info = rank_info(self._session.dims, self._session.env.rank)
         self._participant = ShardedParticipant(
             self._session.position, lambda: [cfg.scheduler for cfg in self.lr_scheduler_configs],
@@ -494,41 +339,33 @@ class CheckpointlessStrategy(ParallelStrategy):
             step = 0
         sharded.completed_steps = step
         self.session.position.step = step
-        # A fit entered at a boundary the survivors may already have passed (a replacement) checks nothing there:
-        # the ranks that were there did, and the restore itself is verified below.
-        self._entered_at = step if self.join.kind != "fresh" else -1
         self._in_step = False
         self._step_calls = []
-        self._loops_resumed = False
         self._regroup = False
-        if self.integrity is not None and self.join.kind != "fresh":
+        if self.join.kind != "fresh":
             # After any recovery every rank compares the replicas once the first step after it is done (survivors
             # recovered inside that step get the same boundary in `_recover`).
-            self.integrity.pending = step + 1
+            self.runtime.integrity.pending = step + 1
         # The world's shape in this generation: which ranks' micro-batches this rank trains, and the average over
         # the ranks that take part in the gradient all-reduce.
         active = self.membership.active
-        self._served = served_ranks(self.session.dims, active, self.session.env.rank)
+        self.loader.serve(trainer, served_ranks(self.session.dims, active, self.session.env.rank))
         # The first instance that trains writes the persistent checkpoint (instance 0 unless the job shrank without it)
-        self._writer_instance = min(rank_info(self.session.dims, r).instance for r in active) if active else 0
+        self.runtime.writer_instance = min(rank_info(self.session.dims, r).instance for r in active) if active else 0
         sharded.average_over = len(active) if active is not None else self.session.dims.dp
-        if self._user_accumulate is None:
-            self._user_accumulate = trainer.accumulate_grad_batches
-        trainer.accumulate_grad_batches = self._user_accumulate * len(self._served)
         self.session.stamps.lead = self.is_lead
+        # A fit entered at a boundary the survivors may already have passed (a replacement) checks nothing there:
+        # the ranks that were there did. Its restore is verified now, before the first step trains on it (the
+        # survivors of a p2p recovery that stayed in their step verify in `_recover`; the ranks that kept their own
+        # state take part).
+        restored = None
         if self.join.kind != "fresh":
-            # Every restore is verified before the first step trains on it (the survivors of a p2p recovery that
-            # stayed in their step verify in `_recover`; the ranks that kept their own state take part).
             p2p = self.join.kind == "kept" or (self.join.kind == "replacement" and self.decisions[-1].path == "p2p")
-            self._verify_restore(step, self.decisions[-1].sources if self.join.kind == "replacement" and p2p
-                                 else {}, "p2p" if p2p else "checkpoint")
-
-    def _verify_restore(self, step: int, sources: dict[int, int], how: str) -> None:
-        """`IntegrityCheck.verify_restore` where the world is whole (a shrunk world's dropped copies are not there
-        to compare); raises `RestartFromCheckpoint` when the restored state fails it."""
-        if self.integrity is None or self.membership.active is not None or self.world_size < 2:
-            return
-        self.integrity.verify_restore(self.participant, step, sources, how)
+            restored = ("p2p" if p2p else "checkpoint",
+                        dict(self.decisions[-1].sources) if self.join.kind == "replacement" and p2p else {})
+        self.runtime.entering(step, restored, from_checkpoint=self.join.kind in ("checkpoint", "rollback")
+                              or (self.join.kind == "replacement" and self.decisions[-1].path == "checkpoint"),
+                              verify_now=participant)
 
     @property
     def _side_numel(self) -> int:
@@ -543,147 +380,14 @@ class CheckpointlessStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """The train loader starts at the session's data position: its sampler skips the samples of the steps
-        already trained in the current epoch, and Lightning's counters are set to the same place."""
-        from nemo_checkpointless.data.sampling import RankBatchSampler
-
+        """The train loader starts at the session's data position (`lightning.loader.TrainPosition`)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.shrink_enabled and trainer is not None and trainer.training and (
-                not isinstance(dataloader, DataLoader) or isinstance(dataloader.batch_sampler, RankBatchSampler)):
-            self._refuse_shrink(type(dataloader).__name__ if not isinstance(dataloader, DataLoader)
-                                else type(dataloader.batch_sampler).__name__)
-        if (trainer is None or not trainer.training or not isinstance(dataloader, DataLoader)
-                or isinstance(dataloader.batch_sampler, RankBatchSampler)):
-            return dataloader  # not the train loader, or one that starts at the data position itself
-        from nemo_checkpointless.lightning.data import MmapDataModule
-
-        datamodule = getattr(trainer, "datamodule", None)  # the user's data module, if any
-        if isinstance(datamodule, MmapDataModule):  # served through the cache, with its prefetch and lookback
-            self.cache_batches = True
-            self.cache_prefetch, self.cache_lookback = datamodule.prefetch, datamodule.lookback
-        if isinstance(dataloader.dataset, IterableDataset):
-            raise ConfigError("train_dataloader", type(dataloader.dataset).__name__,
-                              "is an IterableDataset: a recovered rank must start at an exact sample without "
-                              "reading the samples before it, which needs indexed access",
-                              "use a map-style Dataset (__getitem__ + __len__) with a DataLoader")
-        batch_sampler = dataloader.batch_sampler
-        if not isinstance(batch_sampler, BatchSampler):
-            raise ConfigError("DataLoader(batch_sampler=...)", type(batch_sampler).__name__,
-                              "the data position is restored through a torch BatchSampler's sampler",
-                              "pass batch_size= and a sampler (or shuffle=) to the DataLoader instead")
-        if isinstance(batch_sampler, _ServedBatches):  # the same loader again, after a shrunk fit
-            batch_sampler = batch_sampler.template
-            object.__setattr__(dataloader, "batch_sampler", batch_sampler)  # DataLoader refuses a plain set
-        if self.shrink_enabled:
-            self._check_shrinkable(batch_sampler)
-        if self.cache_batches:
-            return self._cached_loader(trainer, dataloader)
-        if not isinstance(batch_sampler.sampler, _ResumingSampler):
-            batch_sampler.sampler = _ResumingSampler(batch_sampler.sampler, self._take_skip)
-        if len(self._served) > 1:
-            return self._served_dataloader(trainer, dataloader, batch_sampler)
-        self._served_loader = None
-        self._resume_loops(trainer, len(dataloader), batch_sampler.batch_size)
-        self._loops_resumed = True
-        return dataloader
-
-    def _check_shrinkable(self, batch_sampler: BatchSampler) -> None:
-        """At start-up, with replication.shrink: this loader can give a dropped rank's samples to another rank."""
-        inner = batch_sampler.sampler
-        inner = inner.inner if isinstance(inner, _ResumingSampler) else inner
-        if self.cache_batches or not isinstance(inner, DistributedSampler):
-            self._refuse_shrink("MmapDataModule (the shared-memory cache)" if self.cache_batches
-                                else type(inner).__name__)
-
-    @staticmethod
-    def _refuse_shrink(what: str) -> None:
-        raise ConfigError("replication.shrink (checkpointless-run --shrink)", True,
-                          f"a shrunk world trains a dropped rank's samples on another rank, which needs the "
-                          f"train loader's sampler to be a DistributedSampler (Lightning's own, "
-                          f"use_distributed_sampler=True); this loader uses {what}",
-                          "let Lightning shard the loader (a plain DataLoader with shuffle= and "
-                          "Trainer(use_distributed_sampler=True)), or drop --shrink")
-
-    def _served_dataloader(self, trainer: pl.Trainer, dataloader: DataLoader, batch_sampler: BatchSampler) -> Any:
-        """The loader of a shrunk world's rank: every served rank's micro-batches in each step (`_ServedBatches`)."""
-        wrapped = batch_sampler.sampler
-        own = wrapped.inner if isinstance(wrapped, _ResumingSampler) else wrapped
-        assert isinstance(own, DistributedSampler)
-        assert self._user_accumulate is not None
-        per_step = batch_sampler.batch_size * trainer.accumulate_grad_batches  # samples of the served stream
-        served = _ServedBatches(batch_sampler, own, self._served, self._user_accumulate,
-                                lambda: self._take_skip() // per_step)
-        object.__setattr__(dataloader, "batch_sampler", served)  # DataLoader refuses a plain set
-        self._served_loader = served
-        self._resume_loops(trainer, len(dataloader), batch_sampler.batch_size)
-        self._loops_resumed = True
-        return dataloader
-
-    def _cached_loader(self, trainer: pl.Trainer, dataloader: DataLoader) -> Any:
-        from nemo_checkpointless.data.job import job_id_fallback
-        from nemo_checkpointless.lightning.data import CachedTrainLoader
-
-        if self._cached is not None:
-            self._cached.close()
-        env = self.session.env
-        info = rank_info(self.session.dims, env.rank)
-        cached = CachedTrainLoader(dataloader, store=self.membership.store, rank=env.rank, dp_rank=info.dp_rank,
-                                   dp_size=self.session.dims.dp, cache_root=os.environ.get(protocol.CACHE_ROOT_ENV),
-                                   job_id_fallback=job_id_fallback(env.run_dir, env.store_port),
-                                   prefetch=self.cache_prefetch, lookback=self.cache_lookback)
-        batch_size = cached.plan.micro_batch_size
-        self._resume_loops(trainer, len(cached), batch_size)
-        cached.skip_batches, self._skip_samples = self._skip_samples // batch_size, 0
-        self._loops_resumed = True
-        self._cached = cached
-        return cached
-
-    def _take_skip(self) -> int:
-        skip, self._skip_samples = self._skip_samples, 0
-        return skip
-
-    def _resume_loops(self, trainer: pl.Trainer, batches: int, batch_size: int) -> None:
-        """Lightning's loop counters at step `s` of the session (optimizer steps; the epoch and the batch in it)."""
-        step = self.session.position.step
-        if not step:
-            return
-        limit = trainer.limit_train_batches
-        if isinstance(limit, int):
-            batches = min(batches, limit)
-        elif limit is not None and limit != 1.0:
-            batches = int(batches * limit)
-        accumulate = trainer.accumulate_grad_batches
-        steps_per_epoch = math.ceil(batches / accumulate)
-        epoch, batch = step // steps_per_epoch, (step % steps_per_epoch) * accumulate
-        self._skip_samples = batch * batch_size
-        fit_loop = trainer.fit_loop
-        _set_counters(fit_loop.epoch_progress.total, epoch)
-        _set_counters(fit_loop.epoch_progress.current, epoch)
-        epoch_loop = fit_loop.epoch_loop
-        optimizer = epoch_loop.automatic_optimization.optim_progress.optimizer
-        _set_counters(optimizer.step.total, step)
-        _set_counters(optimizer.zero_grad.total, step)
-        epoch_loop._batches_that_stepped = step
-        reset = epoch_loop.reset
-
-        def reset_then_resume() -> None:
-            # After the epoch loop's own reset (which zeroes the counters of the epoch), once.
-            reset()
-            del epoch_loop.reset
-            _set_counters(epoch_loop.batch_progress.current, batch)
-            _set_counters(epoch_loop.batch_progress.total, epoch * batches + batch)
-
-        epoch_loop.reset = reset_then_resume  # type: ignore[method-assign]
+        return self.loader.process(trainer, dataloader, self.session)
 
     @override
     def on_train_start(self) -> None:
-        step = self.session.position.step
-        if step and not self._loops_resumed:
-            # A loader that starts at the data position itself (the package's own): Lightning's step counters.
-            assert self.lightning_module is not None
-            loop = self.lightning_module.trainer.fit_loop.epoch_loop
-            _set_counters(loop.automatic_optimization.optim_progress.optimizer.step.total, step)
-            loop._batches_that_stepped = step
+        assert self.lightning_module is not None
+        self.loader.on_train_start(self.lightning_module.trainer, self.session.position.step)
 
     def at_step_boundary(self) -> bool:
         """Called before each micro-batch: before the first one of an optimizer step, snapshot what a replacement
@@ -694,67 +398,24 @@ class CheckpointlessStrategy(ParallelStrategy):
         participant.at_step_boundary()
         step = participant.completed_steps
         if self._regroup:
-            raise _Regroup()  # caught by the launcher: every rank of the shrunk world leaves `fit` here
-        every = self.session.checkpoint_every
-        checkpoint_due = bool(every and step and step % every == 0)
-        if step != self._entered_at:  # the boundary a (re)entered fit starts at was checked by the ranks there
-            self._check_integrity(step, checkpoint_due)  # a checkpoint is written only once the replicas agree
-        if (checkpoint_due and self.info.instance == self._writer_instance
-                and self.session.checkpoints is not None):
-            self.session.beacon.mark(step, progress.CHECKPOINT)
-            tensors_out, meta_out = participant.boundary_state()
-            self.session.checkpoints.save_shard(step, self.info.checkpoint_slot, tensors_out, meta_out,
-                                                shared_prefix="param.")
-        return True
-
-    def _check_integrity(self, step: int, checkpoint_due: bool = False) -> None:
-        """The cross-replica check when due (`restart.integrity`), and before every persistent checkpoint (so each
-        one written is verified: a rollback goes to it). A repair loads the majority's state here, so the RNG is
-        taken again after it."""
-        check = self.integrity
-        if not self._votes or check is None or not ((checkpoint_due and check.every_n_steps) or check.due(step)):
-            return
-        try:
-            self._vote(step)
-        except PeerFailure as failure:
-            self._recover(failure)  # a p2p recovery here; the check runs again at the next boundary
-            return
-        self._adopt_repaired_rng()
-
-    def _adopt_repaired_rng(self) -> None:
-        """After a vote that repaired this rank: the boundary's RNG is the majority's, taken now and kept for a replay
-        or a replacement."""
-        self.participant.adopt_loaded_rng()
-
-    @property
-    def _votes(self) -> bool:
-        """Whether the replicas can be compared: the check is configured, the world is whole (a shrunk world's
-        dropped copies are not there to compare) and has more than one rank."""
-        return self.integrity is not None and self.membership.active is None and self.world_size >= 2
-
-    def _vote(self, step: int) -> str:
-        """The replicas' vote on the state of boundary `step` (`IntegrityCheck.run`): "ok" or "repair" (this
-        rank's state then came from a majority rank, its RNG waiting in `_rng_to_restore`); raises
-        `RestartFromCheckpoint` on a rollback, `PeerFailure` if a peer fails meanwhile."""
-        assert self.integrity is not None
-        return self.integrity.run(self.participant, step, self.participant.held_bytes())
-
-    @property
-    def _digests_every_step(self) -> bool:
-        """The per-step replica digest (`ShardedOptimizer.shard_digest`, in the gradient all-reduce's side channel;
-        `IntegrityCheck.copies_differ`) is on where the vote is and there is a replica to compare with (N >= 2)."""
-        return bool(self._votes and self.integrity is not None and self.integrity.every_n_steps
-                    and self.num_instances >= 2)
+            raise Regroup()  # caught by the launcher: every rank of the shrunk world leaves `fit` here
+        while True:  # the replicas' vote when due and before a checkpoint, then the checkpoint (`RankRuntime`)
+            try:
+                self.runtime.at_boundary(participant, step, slot=self.info.checkpoint_slot,
+                                         writes_checkpoint=self.info.instance == self.runtime.writer_instance)
+                return True
+            except PeerFailure as failure:
+                # A p2p recovery in the vote: the checkpoint (when due) is written after it, and the replicas are
+                # compared again once the next step is done.
+                self._recover(failure)
 
     def integrity_summary(self) -> dict[str, Any] | None:
-        """`summary.json["integrity"]`: the checks (`IntegrityCheck.summary`, whose records include the NaN
-        guard's) and the NaN guard's own cost on this rank (its gradient norm, every step)."""
-        if self.integrity is None:
+        """`summary.json["integrity"]`: the checks (`RankRuntime.integrity_summary`) and the NaN guard's own cost on
+        this rank (its gradient norm, every step)."""
+        if self._runtime is None:
             return None
-        out = self.integrity.summary()
-        out["nan_guard_s"] = round(self.sharded.local_norm_s, 4) if self.sharded is not None else None
-        out["step_digest_s"] = round(self._step_digest_s, 4)  # the per-step replica digests, this rank, all steps
-        return out
+        sharded = self.sharded
+        return self.runtime.integrity_summary(nan_guard_s=round(sharded.local_norm_s, 4) if sharded else None)
 
     def _apply_poison(self, step: int) -> None:
         """Fault plan kinds `nan` (once) and `nan_batch` (every time step `step` is computed on this rank): one
@@ -765,31 +426,10 @@ class CheckpointlessStrategy(ParallelStrategy):
         log.info(f"injected: a NaN in the gradient of step {step}")
 
     def _step_samples(self) -> Any:
-        """The sample ids of this rank's micro-batches in the step in flight (for a record); a loader whose
-        sampler this strategy does not see says what it can: the step and the micro-batch hashes."""
+        """The sample ids of this rank's micro-batches in the step in flight (for a record)."""
         assert self.sharded is not None and self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        step = self.sharded.completed_steps  # completed before the step in flight
-        hashes = {str(slot): digest.hex()[:16] for slot, digest in self._step_hashes.items()}
-        loader = trainer.fit_loop._combined_loader
-        flat = getattr(loader, "flattened", None) if loader is not None else None
-        dataloader = flat[0] if flat else None
-        batch_sampler = getattr(dataloader, "batch_sampler", None)
-        sampler = getattr(batch_sampler, "sampler", None)
-        if not isinstance(sampler, _ResumingSampler) or not isinstance(batch_sampler, BatchSampler):
-            return {"step": step + 1, "batch_hashes": hashes, "sample_ids": None,
-                    "why": f"the loader's sampler ({type(sampler).__name__}) does not give sample ids"}
-        import copy
-
-        accumulate = trainer.accumulate_grad_batches
-        batches = len(dataloader)  # type: ignore[arg-type]
-        steps_per_epoch = max(1, math.ceil(batches / accumulate))
-        first = (step % steps_per_epoch) * accumulate
-        inner = copy.copy(sampler.inner)  # its epoch is the one in flight (Lightning set it)
-        order = list(iter(inner))
-        size = batch_sampler.batch_size
-        ids = [order[(first + k) * size:(first + k + 1) * size] for k in range(accumulate)]
-        return {"step": step + 1, "batch_hashes": hashes, "sample_ids": ids}
+        return self.loader.step_samples(self.lightning_module.trainer, self.sharded.completed_steps,
+                                        self._step_hashes)
 
     def record_batch_hash(self, digest: bytes) -> None:
         """The hash of a micro-batch this rank trains on in the current step (sent with the gradients); several
@@ -801,11 +441,9 @@ class CheckpointlessStrategy(ParallelStrategy):
             self._step_collectives = 0
             self._step_hashes = {}
             self._slot = None
-        slot = self.global_rank
-        if self._served_loader is not None and self._served_loader.slots:
-            slot = self._served_loader.slots.pop(0)
-            if self._slot is not None and slot != self._slot:
-                self.participant.restore_boundary_rng()
+        slot = self.loader.next_slot(self.global_rank)
+        if self._slot is not None and slot != self._slot:
+            self.participant.restore_boundary_rng()
         self._slot = slot
         before = self._step_hashes.get(slot)
         self._step_hashes[slot] = digest if before is None else hashlib.sha256(before + digest).digest()
@@ -837,15 +475,11 @@ class CheckpointlessStrategy(ParallelStrategy):
     def _recover(self, failure: PeerFailure) -> None:
         """Raises RestartFromCheckpoint when peers cannot help, or when the restored state fails its verification."""
         decision = self.session.engine.recover(self.participant, failure)
-        self.decisions.append(decision)
-        self.session.stamps.track(self.membership.generation)
-        if self.integrity is not None:  # the replicas are compared once the first step after it is done
-            self.integrity.pending = decision.step + 1
-        # Nobody checks at the decision's boundary any more: the survivors that met the loss in that check left it,
-        # the replacement enters after it, and a rank rolled forward (`finish_step`) reaches it only now.
-        self._entered_at = decision.step
+        # Nobody checks at the decision's boundary any more (a rank rolled forward, `finish_step`, reaches it only
+        # now); the replicas are compared once the first step after it is done.
+        self.runtime.recovered(decision)
         try:
-            self._verify_restore(decision.step, decision.sources, "p2p")
+            self.runtime.verify_restore(self.participant, decision.step, decision.sources, "p2p")
         except PeerFailure as again:  # a fault while verifying: one more recovery (verified in its turn)
             self._recover(again)
 
@@ -886,10 +520,11 @@ class CheckpointlessStrategy(ParallelStrategy):
         if self.membership.active is not None and (
                 self.session.faults.grow_asked(step) or self.membership.store.check([protocol.GROW_KEY])):
             side[hashes] = 1.0  # a shrunk world: this rank asks to grow back after this step
+        runtime = self.runtime
         compare = True  # the replicas' digests this step (off once a vote found equal states: never loop on it)
         replay = False
         while True:
-            digests = compare and self._digests_every_step  # a recovery may have shrunk the world meanwhile
+            digests = compare and runtime.digests_every_step(self.num_instances)  # the world may have shrunk
             try:
                 if replay:
                     # The step made collectives of its own before its gradient all-reduce, or its gradients
@@ -904,25 +539,22 @@ class CheckpointlessStrategy(ParallelStrategy):
                     self._apply_poison(step)
                     replay = False
                 if digests:
-                    at, t0 = hashes + 1 + world + DIGEST_SLOTS * self.global_rank, time.perf_counter()
-                    side[at:at + DIGEST_SLOTS] = encode_digest(self.sharded.shard_digest())
-                    self._step_digest_s += time.perf_counter() - t0
+                    at = hashes + 1 + world + DIGEST_SLOTS * self.global_rank
+                    side[at:at + DIGEST_SLOTS] = encode_digest(runtime.step_digest(self.participant))
                 summed = self.sharded.reduce_gradients(side, local_norm_at=hashes + 1 + self.global_rank)
-                assert summed is not None and self.nan_guard is not None
+                assert summed is not None
                 ranks = self.membership.world().ranks
-                check = self.integrity
-                if digests and check is not None and check.copies_differ(summed[hashes + 1 + world:], ranks):
+                if digests and runtime.copies_differ(summed[hashes + 1 + world:], ranks):
                     # A copy of an optimizer shard differs from its replicas before this step's update reads it:
                     # the gradients are dropped, the replicas vote on the boundary's state (a repair, or a
                     # rollback that leaves `fit`), and every rank runs the step again.
                     self.sharded.discard(count_step=False)
                     replay = True
-                    if self._vote(step - 1) == "ok":  # equal states cannot give unequal sums
+                    if runtime.vote(self.participant, step - 1) == "ok":  # equal states cannot give unequal sums
                         compare = False
-                    self._adopt_repaired_rng()
                     continue
                 norms = summed[hashes + 1:hashes + 1 + world]
-                verdict = self.nan_guard.judge(step, {r: float(norms[r]) for r in ranks}, self._step_samples)
+                verdict = runtime.judge_norms(step, {r: float(norms[r]) for r in ranks}, self._step_samples)
                 if verdict == "rerun":
                     self.sharded.discard(count_step=False)
                     replay = True
@@ -956,25 +588,19 @@ class CheckpointlessStrategy(ParallelStrategy):
         """No rank leaves training before every rank has completed the last step: a rank lost in it is recovered
         while its peers (its replica among them, which may have finished) are all still here. Recovered like a
         step's collective; a fallback to the checkpoint leaves `fit` (`RestartFromCheckpoint`) and trains again.
-        A shrunk world does not end shrunk: it grows back first (`_Regroup`, the spares started for the missing
+        A shrunk world does not end shrunk: it grows back first (`Regroup`, the spares started for the missing
         ranks taking them, waited for if still starting), so that every rank, the parked ones too, leaves `fit` with
         the final state and runs what the script does after it (rank 0 saving the model, typically)."""
         self.participant.at_step_boundary()  # after the last step: the boundary a replacement would receive
         if self.membership.active is not None:
-            raise _Regroup()  # every rank of the shrunk world is here after the same last step
+            raise Regroup()  # every rank of the shrunk world is here after the same last step
         assert self.sharded is not None
         while True:
             try:
                 # The replicas vote on the final state before any rank hands it over (the script's save, the
                 # digests), unless this fit entered at this boundary (a replacement here, or the survivors that
                 # recovered it: the restore was verified). A rollback leaves `fit` and trains again.
-                step = self.sharded.completed_steps
-                if (self._votes and self.integrity is not None and self.integrity.every_n_steps
-                        and step != self._entered_at):
-                    self._vote(step)
-                    self._entered_at = step  # voted: a recovery in the barrier below does not vote again
-                    self._adopt_repaired_rng()
-                self.membership.world().all_reduce(torch.zeros(1))
+                self.runtime.end_barrier(self.participant, self.sharded.completed_steps)
                 return
             except PeerFailure as failure:
                 self._recover(failure)

@@ -157,6 +157,10 @@ class MegatronParticipant:
         """The per-step replica digest of this rank's shard (`state.integrity.word_sum`)."""
         return word_sum(self.shard_tensors())
 
+    def held_bytes(self) -> int:
+        """The bytes a vote digests on this rank: its shard (its parameters are the shard's main params' copies)."""
+        return sum(t.numel() * t.element_size() for t in self.shard_tensors())
+
     def integrity_digests(self) -> tuple[int, int, bool]:
         """For the replicas' vote (`restart.integrity.IntegrityCheck`): CRC-32 of this rank's parameters (its TP/PP
         slice, whole: equal on every data-parallel rank), of its shard, and whether both are finite."""
@@ -215,6 +219,7 @@ class MegatronParticipant:
         return tensors, json.loads(json.dumps(meta))
 
     rolls_forward = True
+    checkpoint_shared_prefix: str | None = None  # every tensor of a checkpoint shard is written by its own rank
 
     def finish_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """The step in flight completed from a replica that completed it: this rank's instance lost a partner in the
@@ -267,6 +272,11 @@ class MegatronParticipant:
 
     def restore_rng_now(self) -> None:
         """Apply the RNG loaded by `load_state` at once (otherwise it is applied at the next boundary)."""
+        self.adopt_loaded_rng()
+
+    def adopt_loaded_rng(self) -> None:
+        """After a state was loaded at this boundary (a repair by the replicas' vote): its RNG is the boundary's,
+        restored now."""
         if self._rng_to_restore is not None:
             _restore_all_rng(*self._rng_to_restore)
             self._boundary = self._rng_to_restore

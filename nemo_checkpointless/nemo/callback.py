@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from typing_extensions import override
 
 from nemo_checkpointless.config import FaultSpec
@@ -144,9 +143,8 @@ class CheckpointlessCallback(pl.Callback):
         # last step: a rank lost in it is recovered with its peers (its replica among them) still here. A failure
         # raises out of `fit`, which recovers and re-enters.
         part.at_step_boundary(step)
-        if strategy.final_vote_due(step):
-            strategy.vote(step)
-        session.membership.world().all_reduce(torch.zeros(1))
+        assert strategy.runtime is not None
+        strategy.runtime.end_barrier(part, step)
         tensors, _ = part.boundary_state()
         params = state_digest({k: v for k, v in tensors.items() if k.startswith("model.")}, {})
         shard = state_digest({k: v for k, v in tensors.items() if k.startswith("opt")}, {})

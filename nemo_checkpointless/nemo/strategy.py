@@ -63,9 +63,10 @@ from nemo_checkpointless.protocol import (  # noqa: E402
     LAYOUT_ENV,
     NUM_INSTANCES_ENV,
     STORE_PORT_ENV,
+    default_group_prefix,
 )
 from nemo_checkpointless.restart import objects, progress  # noqa: E402
-from nemo_checkpointless.restart.integrity import IntegrityCheck, NanGuard, checks_from_settings  # noqa: E402
+from nemo_checkpointless.restart.runtime import RankRuntime  # noqa: E402
 from nemo_checkpointless.restart.session import Session  # noqa: E402
 from nemo_checkpointless.state.checkpoint import CheckpointStore  # noqa: E402
 from nemo_checkpointless.topology import ParallelDims, rank_info  # noqa: E402
@@ -151,14 +152,12 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self.participant: MegatronParticipant | None = None
         self._step_hashes: list[bytes] | None = None  # every rank's data digest of the step in flight
         self._integrity_every_arg = integrity_every_n_steps
-        self.integrity: IntegrityCheck | None = None  # the replicas' vote (built with the session)
-        self.step_digest_s = 0.0  # time this rank spent on its per-step shard digests
+        self.runtime: RankRuntime | None = None  # the per-step duties: votes, checkpoints, checks (with the session)
         self._fits_in_generation = (-1, 0)  # (generation, fits of it entered): a vote's re-entry keeps its generation
         # How the state the next fit starts from was restored ("p2p" or "checkpoint") and, for p2p, which rank each
         # replaced rank received it from: the restore's verification names them (set by `nemo.restart`).
         self.restored: tuple[str, dict[int, int]] = ("p2p", {})
         self._damage_next_load = False  # fault plan kind corrupt_restore: the next state loaded is damaged
-        self.nan_guard: NanGuard | None = None  # non-finite gradients, attributed (built with the session)
         self._nan_policy_arg = nan_policy
         self._local_norm = 0.0  # this rank's own gradient norm in the step in flight, before the reduction
         self.n_independent = False  # whether `megatron.numerics` replaced megatron's gradient reduction (at setup)
@@ -215,9 +214,8 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         session.membership.timeout_s = 2 * timeout + 60
         self.dims = session.dims
         self._session = session
-        self.integrity, self.nan_guard = checks_from_settings(
-            session.engine, session.dims, session.env.rank, self._integrity_every_arg, self._nan_policy_arg,
-            "CheckpointlessMegatronStrategy")
+        self.runtime = RankRuntime.create(session, self._integrity_every_arg, self._nan_policy_arg,
+                                          "CheckpointlessMegatronStrategy")
         session.faults.attach(self.flip_bit, damage=self._damage_restore)  # the fault plan's hooks
 
     def begin_generation(self, resume: tuple[dict[str, torch.Tensor], dict[str, Any]] | None) -> None:
@@ -230,13 +228,18 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         before, fits = self._fits_in_generation
         fits = fits + 1 if before == generation else 0
         self._fits_in_generation = (generation, fits)
-        self.pg_store = dist.PrefixStore(f"nemo/gen{generation}/" if not fits else f"nemo/gen{generation}.{fits}/",
+        self.pg_store = dist.PrefixStore(default_group_prefix(generation, fits),
                                          self.session.store)
         self._quiet_barriers, self.barriers_skipped = generation > 0, 0
         self._restore_initialization()  # a fit that failed before its `setup` left it off
         self.resume = resume
         self.resume_step = int(resume[1]["step"]) if resume is not None else 0
         self._position_from_resume = resume is not None
+        # Every rank of a generation enters its fit at the same boundary (a recovery, a rollback or a repair
+        # re-enters every rank's fit there): the restore is verified there before the first step trains on it.
+        assert self.runtime is not None
+        self.runtime.entering(self.resume_step, self.restored if resume is not None else None,
+                              from_checkpoint=resume is not None and self.restored[0] == "checkpoint")
 
     def _restore_initialization(self) -> None:
         if self._init_before is not None:
@@ -374,7 +377,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         info = rank_info(self.dims, self.global_rank)
         # The same gradient summation order and norm for every N (`megatron.numerics`), N=1 included.
         self.n_independent = numerics.install(list(self.megatron_parallel), self.optimizers[0],
-                                              nan_check=self.nan_guard is None)
+                                              nan_check=self.runtime is None)
         self.participant = MegatronParticipant(
             list(self.megatron_parallel), self.optimizers[0], dp_size=self.dims.dp_cp,
             num_instances=self.num_instances, shard_index=info.shard_index, tp_rank=info.tp_rank,
@@ -472,21 +475,12 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         assert self.participant is not None and self.dims is not None
         step = self.trainer.global_step
         self.participant.at_step_boundary(step)
-        every, checkpoints = (self.session.checkpoint_every, self.session.checkpoints) if self._session else (0, None)
-        info = rank_info(self.dims, self.global_rank)
-        checkpoint_due = bool(every and step and step % every == 0 and step != self.resume_step)
-        if self._verify_due(step):
-            # Every restore (a recovery, a rollback, a repair: every rank of the generation enters here with a state)
-            # is verified before the first step trains on it; one that fails rolls back (`RestartFromCheckpoint`).
-            assert self.integrity is not None
-            how, sources = self.restored
-            self.integrity.verify_restore(self.participant, step, sources, how)
-        elif self._vote_due(step, checkpoint_due):  # a checkpoint is written once the replicas agree on it
-            self.vote(step)
-        if (checkpoint_due and checkpoints is not None
-                and info.instance == 0):  # one file per TP/PP slice and shard (`checkpoint_slot`)
-            self._mark(step, progress.CHECKPOINT)
-            checkpoints.save_shard(step, info.checkpoint_slot, *self.participant.boundary_state())
+        if self.runtime is not None:
+            # The restore this fit entered with verified, else the replicas' vote when due and before a checkpoint
+            # (written once they agree), then the checkpoint: one file per TP/PP slice and shard, by instance 0.
+            info = rank_info(self.dims, self.global_rank)
+            self.runtime.at_boundary(self.participant, step, writes_checkpoint=info.instance == 0,
+                                     slot=info.checkpoint_slot)
         self._mark(step + 1, progress.FORWARD)
         # Each micro-batch the step consumes is hashed as Megatron's schedule draws it (the data record). A fault
         # declared during the forward and backward stops them where they are (`FaultWatch.interruptible`).
@@ -508,42 +502,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         self._mark(self.trainer.global_step + 1, progress.STEP_DONE)
         return out
 
-    # ------------------------------------------------------------------------------- the replicas' vote
-    @property
-    def _votes(self) -> bool:
-        """The replicas can be compared: the check is on and there is more than one rank."""
-        return bool(self.integrity is not None and self.integrity.every_n_steps and self.world_size >= 2)
-
-    def _verify_due(self, step: int) -> bool:
-        """At the boundary a fit entered with a state (every rank of a generation alike: a recovery, a rollback or a
-        repair re-enters every rank's fit there): its restore is verified (`IntegrityCheck.verify_restore`)."""
-        return (self.integrity is not None and self.world_size >= 2 and self._position_from_resume
-                and step == self.resume_step)
-
-    def _vote_due(self, step: int, checkpoint_due: bool) -> bool:
-        """At boundary `step`: when due (`integrity.every_n_steps`) and before a persistent checkpoint."""
-        if not self._votes:
-            return False
-        assert self.integrity is not None
-        return checkpoint_due or self.integrity.due(step)
-
-    def vote(self, step: int) -> str:
-        """The replicas' vote on the state of boundary `step` (`IntegrityCheck.run`, every rank of the world). On
-        "repair" this rank's state now is the majority's, RNG included; a rollback raises `RestartFromCheckpoint`
-        out of `fit`, a peer's failure meanwhile `PeerFailure`."""
-        part, check = self.participant, self.integrity
-        assert part is not None and check is not None
-        held = sum(t.numel() * t.element_size() for t in part.shard_tensors())
-        verdict = check.run(part, step, held)
-        if verdict == "repair":
-            part.restore_rng_now()  # the boundary's RNG is the majority's too
-        return verdict
-
-    def final_vote_due(self, step: int) -> bool:
-        """The vote on the final state (`CheckpointlessCallback.on_train_end`), unless this fit entered at that
-        boundary (it voted there)."""
-        return self._votes and not (self._position_from_resume and step == self.resume_step)
-
+    # ------------------------------------------------------------------------------- the replicas' checks
     def _gather_step_record(self, step: int) -> None:
         """The step's data record from every rank (`gather_step_hashes`), with each rank's own gradient norm (before
         the reduction) and, with N >= 2, its shard's replica digest riding along; then, before the optimizer step
@@ -556,29 +515,23 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         - a rank whose gradient is not finite (`NanGuard`, the same verdict everywhere): the step is trained again
           from its boundary (`RedoStep`); when it comes back, the job stops naming the batch, or the batch is
           skipped (`SkipStep`: the step counts as done, nothing is updated, the data moves on)."""
-        session, part, check = self.session, self.participant, self.integrity
-        assert part is not None
-        digests = self._votes and self.num_instances >= 2
-        extra = b""
-        if digests:
-            t0 = time.perf_counter()
-            extra += part.shard_digest().to_bytes(4, "little")
-            self.step_digest_s += time.perf_counter() - t0
-        if self.nan_guard is not None:
-            extra += struct.pack("<d", self._local_norm)
+        session, part, runtime = self.session, self.participant, self.runtime
+        assert part is not None and runtime is not None
+        digests = runtime.digests_every_step(self.num_instances)
+        extra = runtime.step_digest(part).to_bytes(4, "little") if digests else b""
+        extra += struct.pack("<d", self._local_norm)
         world = session.membership.world()
         self._step_hashes, extras = gather_step_hashes(world, extra)
-        if digests and check is not None:
+        if digests:
             slots = torch.tensor([b for e in extras for b in e[:4]], dtype=torch.float32)
-            if check.copies_differ(slots, world.ranks) and self.vote(step) == "repair":
+            if runtime.copies_differ(slots, world.ranks) and runtime.vote(part, step) == "repair":
                 raise RedoStep(step)
-        if self.nan_guard is not None:
-            norms = {r: struct.unpack("<d", e[-8:])[0] for r, e in zip(world.ranks, extras, strict=True)}
-            verdict = self.nan_guard.judge(step + 1, norms, functools.partial(self._step_positions, step + 1))
-            if verdict == "rerun":
-                raise RedoStep(step)
-            if verdict == "skip":
-                raise SkipStep(step, self._step_hashes)
+        norms = {r: struct.unpack("<d", e[-8:])[0] for r, e in zip(world.ranks, extras, strict=True)}
+        verdict = runtime.judge_norms(step + 1, norms, functools.partial(self._step_positions, step + 1))
+        if verdict == "rerun":
+            raise RedoStep(step)
+        if verdict == "skip":
+            raise SkipStep(step, self._step_hashes)
 
     def _step_positions(self, step: int) -> dict[str, Any]:
         """What this rank trained on in step `step` (for a record): the global data positions of its micro-batches,
@@ -595,11 +548,8 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
                                                   + (dp_rank + 1) * mb] for k in range(gb // (mb * dp))]}
 
     def integrity_summary(self) -> dict[str, Any] | None:
-        """`summary.json["integrity"]`: the checks and their records (`IntegrityCheck.summary`) and this rank's time
-        on the per-step shard digests."""
-        if self.integrity is None:
-            return None
-        return {**self.integrity.summary(), "step_digest_s": round(self.step_digest_s, 4)}
+        """`summary.json["integrity"]`: the checks and their records (`RankRuntime.integrity_summary`)."""
+        return self.runtime.integrity_summary() if self.runtime is not None else None
 
     def _damage_restore(self) -> None:
         """Fault plan kind `corrupt_restore` (`restart.faults.Injector`, once this rank restored a state, after its
@@ -655,7 +605,7 @@ class CheckpointlessMegatronStrategy(MegatronStrategy):
         if buffers and self._session is not None and self._session.faults.poisoned(step):  # fault plan nan, nan_batch
             buffers[0].grad_data.view(-1)[0] = float("nan")
             log.info(f"injected a NaN in its gradient of step {step}")
-        if self.nan_guard is not None:
+        if self.runtime is not None:
             self._local_norm = math.sqrt(sum(float(b.grad_data.float().pow(2).sum()) for b in buffers))
 
     def _mark(self, step: int, phase: int) -> None:

@@ -51,6 +51,7 @@ class ShardedParticipant:
     """
 
     rolls_forward = True
+    checkpoint_shared_prefix: str | None = "param."  # the full parameters, equal on every shard: shard 0 writes them
 
     def __init__(self, position: Position, schedulers: Callable[[], Sequence[Scheduler]], *, dp_size: int,
                  world_size: int, num_instances: int, shard_index: int, host_copies: bool = False) -> None:
@@ -173,6 +174,10 @@ class ShardedParticipant:
         # A NaN or an infinity anywhere makes the sum one: a pass that allocates nothing.
         finite = all(math.isfinite(float(t.sum())) for t in [*flats, *shard] if t.is_floating_point())
         return crc(flats), crc(shard), finite
+
+    def shard_digest(self) -> int:
+        """The per-step replica digest of this rank's shard (`ShardedOptimizer.shard_digest`)."""
+        return self.optimizer.shard_digest()
 
     def held_bytes(self) -> int:
         """The bytes a vote digests on this rank: the full parameters and the shard's state."""

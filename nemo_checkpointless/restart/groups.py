@@ -51,7 +51,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_checkpointless.protocol import DEVICE_PLANE_ENV, FAULT_KEY, alive_key, fault_ranks_key, hang_key
+from nemo_checkpointless.protocol import (
+    DEVICE_PLANE_ENV,
+    FAULT_KEY,
+    alive_key,
+    fault_ranks_key,
+    group_prefix,
+    hang_key,
+)
 
 __all__ = ["FAULT_KEY", "CollectiveTimeout", "Group", "Membership", "PeerFailure", "alive_key", "hang_key"]
 
@@ -155,7 +162,7 @@ class Group:
     prefix: str = field(init=False, default="")  # this group's keys in the store
 
     def __post_init__(self) -> None:
-        self.prefix = f"gen{self.generation}/{self.name}/{','.join(map(str, self.ranks))}"
+        self.prefix = group_prefix(self.generation, self.name, self.ranks)
         self.device_plane = os.environ.get(DEVICE_PLANE_ENV, "")
         if self.device_plane not in ("", "nccl", "gloo"):
             raise ValueError(f"{DEVICE_PLANE_ENV}={self.device_plane}: must be nccl or gloo")
