@@ -442,6 +442,7 @@ class _Job:
         self.store.set(generation_info_key(self.generation),
                        protocol.GenerationInfo(failed, fault_t, target, active).to_json())
         self.store.set(GENERATION_KEY, str(self.generation))
+        self.forget_groups()
 
     def _ready_spares(self, failed: list[int]) -> list[int]:
         """The spares ready to take a rank now; with replication.replacement_timeout_s, first waits that long for
@@ -514,6 +515,19 @@ class _Job:
         self.store.set(generation_info_key(self.generation),
                        protocol.GenerationInfo(rejoin, now, None, None).to_json())
         self.store.set(GENERATION_KEY, str(self.generation))
+        self.forget_groups()
+
+    def forget_groups(self) -> None:
+        """The store keys of the process groups of generations no rank uses any more (all but the two newest:
+        every rank has left a generation once the one after it was declared failed or grown), deleted: a job that
+        recovers a thousand times holds the keys of two generations' groups, not of a thousand. The job's records
+        (`job/...`) stay."""
+        if self.generation < 2:
+            return
+        for key in self.store.list_keys():
+            generation = protocol.group_generation(key)
+            if generation is not None and generation < self.generation - 1:
+                self.store.delete_key(key)
 
     def watch_shrunk(self) -> None:
         """A shrunk world: once a spare is ready for every missing rank, ask the ranks to grow back (they agree on
@@ -837,8 +851,10 @@ class _Job:
             "hang_deadline_s": round(self.progress.deadline(), 3) if self.progress and self.progress.enabled else None,
             "pids": {str(r): [p.popen.pid for p in procs] for r, procs in sorted(self.pids.items())},
             # How many keys the job's store holds at the end: bounded by the job's size and its recoveries, not by
-            # its step count (what grows with the steps would fill the store's memory on a long job).
+            # its step count (what grows with the steps would fill the store's memory on a long job); of them, the
+            # process groups' (two generations' at most, `forget_groups`: not growing with the recoveries either).
             "store_keys": store.num_keys(),
+            "store_group_keys": sum(protocol.group_generation(k) is not None for k in store.list_keys()),
         }
         tmp = run_dir / ".summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
