@@ -29,7 +29,7 @@ def test_mmap_loader_kills_at_five_steps_equal_the_plain_loader_without_faults(t
     summary: dict[str, Any] = run_job(
         tmp_path, "mmap-kills", "data.loader=mmap", f"data.prefetch={PREFETCH}", "data.lookback=2",
         f"data.cache_root={cache_root}", "replication.num_instances=2", "replication.spares=2",
-        f"fault.plan=[{plan}]")
+        f"fault.plan=[{plan}]", "launcher.verbose=true")  # the DEBUG lines: where each first batch came from
     assert_equal_to(reference, summary)
     assert [r["step"] for r in summary["recoveries"]] == [s for _, s in KILLS]
     assert all(r["path"] == "p2p" and r["steps_lost"] == 0 for r in summary["recoveries"]), summary["recoveries"]
