@@ -12,21 +12,36 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 
 from nemo_checkpointless import protocol
+from nemo_checkpointless.replication.participant import ShardedParticipant
 from nemo_checkpointless.restart.recovery import Parked, Reshape, RestartFromCheckpoint
-from nemo_checkpointless.restart.session import JoinSpec
+from nemo_checkpointless.restart.session import JoinSpec, Session
 from nemo_checkpointless.restart.worker_env import die_by_signal, freeze_heap
 
-if TYPE_CHECKING:
-    from nemo_checkpointless.lightning.strategy import CheckpointlessStrategy
-
 log = logging.getLogger(__name__)
+
+
+class LightningDoor(Protocol):
+    """What the launcher uses of the strategy it runs `fit` for (`lightning.strategy.CheckpointlessStrategy`, which
+    imports this module): named here, so that nothing here imports the strategy."""
+
+    join: JoinSpec
+
+    @property
+    def session(self) -> Session: ...
+
+    @property
+    def participant(self) -> ShardedParticipant: ...
+
+    def ensure_session(self) -> None: ...
+
+    def keep_own_state(self) -> None: ...
 
 
 class Regroup(Exception):  # a control-flow signal
@@ -39,7 +54,7 @@ class InProcessLauncher(_Launcher):
     a change of the world's shape (`Reshape`: shrunk to the whole optimizer instances, or grown back), with this
     rank's own state; a rank left out of a shrunk world (`Parked`) waits here until the job grows back."""
 
-    def __init__(self, strategy: CheckpointlessStrategy) -> None:
+    def __init__(self, strategy: LightningDoor) -> None:
         self.strategy = strategy
 
     @property
