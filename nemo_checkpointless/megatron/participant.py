@@ -270,13 +270,9 @@ class MegatronParticipant:
         self.completed_steps = meta["step"]
         self.phase = 0
 
-    def restore_rng_now(self) -> None:
-        """Apply the RNG loaded by `load_state` at once (otherwise it is applied at the next boundary)."""
-        self.adopt_loaded_rng()
-
     def adopt_loaded_rng(self) -> None:
-        """After a state was loaded at this boundary (a repair by the replicas' vote): its RNG is the boundary's,
-        restored now."""
+        """The RNG loaded by `load_state` applied at once (otherwise at the next boundary): after a state was loaded
+        at this boundary (a repair by the replicas' vote), its RNG is the boundary's."""
         if self._rng_to_restore is not None:
             _restore_all_rng(*self._rng_to_restore)
             self._boundary = self._rng_to_restore

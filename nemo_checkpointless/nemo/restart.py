@@ -342,7 +342,7 @@ def after_vote(strategy: MegatronDoor, again: RestartFromCheckpoint | RedoStep |
         how = f"step {again.step + 1} skipped (its batch gives a non-finite gradient)"
     else:
         strategy.restored = ("p2p", {})
-        part.restore_rng_now()
+        part.adopt_loaded_rng()
         resume = own_boundary_state(part)
         how = f"step {again.step + 1} again (a repaired copy, or a non-finite gradient)"
     release_fit(strategy.model, strategy.optimizers)
