@@ -189,10 +189,12 @@ def test_a_rank_killed_from_outside_at_a_random_moment_ends_equal(workdir: Path,
 def _assert_uneven_fallback(run_dir: Path, rec: dict[str, Any], brief: str) -> None:
     """A known limit (docs/design.md, "Known limits"): a kill that lands as a step's gradient all-reduce completes
     on some survivors and fails on others (gloo's ring hands each rank its result as soon as it has it) leaves the
-    survivors on two sides of a step boundary; a survivor one step behind that had not yet updated its shard is not
-    restored from a replica, and the job falls back to the checkpoint. Seen once in the full tier (rank 3 killed
-    at step 19: rank 2 at step 17, ranks 0 and 1 at 18). The run is still equal (asserted before), and from the
-    ranks' own logs: each rank ran 1..k once, k >= the checkpoint's step, then every step after the checkpoint."""
+    survivors on two sides of a step boundary. A survivor on either side is restored from a replica on the other
+    (rolled forward or rewound, `restart.recovery.decide`) unless no replica of its shard is there; then the job
+    falls back to the checkpoint (seen in the full tier before those: rank 3 killed at step 19, rank 2 at step 17,
+    ranks 0 and 1 at 18; and in CI, rank 2 past step 6's all-reduce, ranks 0 and 1 not). The run is still equal
+    (asserted before), and from the ranks' own logs: each rank ran 1..k once, k >= the checkpoint's step, then
+    every step after the checkpoint."""
     assert "are not at the common step boundary" in rec["reason"], brief
     checkpoint = rec["resumed_from_step"]
     for rank, lines in steplog.read(run_dir).items():

@@ -71,10 +71,37 @@ def test_a_survivor_left_in_the_parameter_all_gather_is_rolled_forward() -> None
                          (True, report(SURVIVOR, 10, GATHERING))):
         d = decide(DIMS, [behind, *reports[1:]], None, roll_forward=roll)
         assert d.path == "checkpoint" and d.rolled_forward == () and "disagrees" in d.reason, d
+    # Rank 0's gradient all-reduce of step 12 failed while it completed on ranks 2 and 3 (gloo's ring ends on each
+    # rank at its own time; seen in the full tier): its gradients went into it, so it completes step 12 too, its
+    # shard's state included; in a shrunk world (ranks 0-2 of 4), where the sum also says whether to grow back,
+    # the checkpoint.
+    d = decide(DIMS, [report(SURVIVOR, 11), *reports[1:]], None, roll_forward=True)
+    assert (d.path, d.step, d.rolled_forward, d.sources) == ("p2p", 12, (0,), {0: 2, 1: 3}), d
+    d = decide(DIMS, [report(SURVIVOR, 11), *reports[1:3]], None, [0, 1, 2], roll_forward=True)
+    assert d.path == "checkpoint" and "disagrees" in d.reason, d
     # Both copies of shard 0 unavailable at step 12 (rank 2 lost too): no replica to roll rank 0 forward from.
     d = decide(DIMS, [reports[0], report(REPLACEMENT, -1), report(REPLACEMENT, -1), report(SURVIVOR, 12)], None,
                roll_forward=True)
     assert d.path == "checkpoint" and "one step behind" in d.reason, d
+
+
+def test_a_survivor_past_a_gradient_all_reduce_the_others_never_completed_is_rewound() -> None:
+    # Rank 3 lost inside step 6's gradient all-reduce, which completed on rank 2 only (gloo's ring ends on each rank
+    # at its own time): rank 2 updated its shard for step 6 and waits in its instance's all-gather (5, GATHERING);
+    # ranks 0 and 1 never got the sum (5, 0). Rank 2 takes boundary 5 back from its replica, rank 0 (as seen in CI
+    # with seed 177832023 of test_a_rank_killed_from_outside_at_a_random_moment_ends_equal).
+    reports = [report(SURVIVOR, 5), report(SURVIVOR, 5), report(SURVIVOR, 5, GATHERING), report(REPLACEMENT, -1)]
+    d = decide(DIMS, reports, None, roll_forward=True)
+    assert (d.path, d.step, d.replaced, d.rewound, d.rolled_forward, d.sources) == (
+        "p2p", 5, (3,), (2,), (), {2: 0, 3: 1}), d
+    assert "take their boundary 5 back from a replica" in d.reason
+    # A participant that can neither roll forward nor rewind; a data digest that disagrees: the checkpoint.
+    for roll, ahead in ((False, reports[2]), (True, report(SURVIVOR, 5, GATHERING, digest=8))):
+        d = decide(DIMS, [*reports[:2], ahead, reports[3]], None, roll_forward=roll)
+        assert d.path == "checkpoint" and d.rewound == () and "disagrees" in d.reason, d
+    # Both copies of shard 0 past the all-reduce (ranks 0 and 2): no replica holds boundary 5 of that shard.
+    d = decide(DIMS, [report(SURVIVOR, 5, GATHERING), *reports[1:]], None, roll_forward=True)
+    assert d.path == "checkpoint" and "whose gradient all-reduce the others never completed" in d.reason, d
 
 
 def test_single_instance_has_no_replica() -> None:

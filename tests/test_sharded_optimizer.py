@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,9 +21,18 @@ from harness import run_threads
 from torch import nn
 
 from nemo_checkpointless.models import LlamaConfig, LlamaModel
+from nemo_checkpointless.replication.participant import ShardedParticipant
 from nemo_checkpointless.replication.sharded_optimizer import ShardedOptimizer
 from nemo_checkpointless.restart.groups import Membership
-from nemo_checkpointless.state.hashing import HASH_BYTES, batch_hash, decode_hashes, encode_hash, state_digest
+from nemo_checkpointless.restart.recovery import GATHERING, Decision, RecoveryEngine
+from nemo_checkpointless.state.hashing import (
+    HASH_BYTES,
+    DataDigest,
+    batch_hash,
+    decode_hashes,
+    encode_hash,
+    state_digest,
+)
 from nemo_checkpointless.topology import ParallelDims, rank_info
 
 DP = 4
@@ -203,6 +213,74 @@ def test_side_channel_sums_the_ranks_batch_hashes(model: str) -> None:
     want = [[batch_hash(_batch_ids(model, batches[s][r])).hex() for r in range(DP)] for s in range(STEPS)]
     for out in _sharded(model, 2, 0.0):
         assert out["sides"] == want
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["rewound", "rolled_forward"])
+def test_ranks_on_two_sides_of_a_gradient_all_reduce_end_bitwise_equal(case: str) -> None:
+    """At step 4 (of 10) the gradient all-reduce completes on every rank, but some ranks lose its result, as when a
+    peer dies inside gloo's ring and the sum reaches some ranks only. `rewound`: rank 2 alone keeps it and updates
+    its shard (`GATHERING`); the others drop it and rank 2 takes boundary 3 back from its replica, rank 0; every
+    rank computes its gradients again and runs step 4 again. `rolled_forward`: instance 0 (ranks 0, 1) completes
+    step 4, instance 1 (ranks 2, 3) drops the sum (phase 0) and completes step 4 from ranks 0 and 1, its shards'
+    state and data digest included. Both over the engine's real transfer: every rank and every replica ends
+    bitwise equal to the run without the fault, on the same data digest."""
+    base, batches = _build("mlp")
+    dims, fault = ParallelDims(world_size=DP, num_instances=2), 3
+    keeps = {2} if case == "rewound" else {0, 1}  # who keeps the sum of step 4's all-reduce
+    decision = (Decision("p2p", fault, (), {2: 0}, rewound=(2,)) if case == "rewound"
+                else Decision("p2p", fault + 1, (), {2: 0, 3: 1}, rolled_forward=(2, 3)))
+
+    def fn(m: Membership) -> dict[str, Any]:
+        info = rank_info(dims, m.rank)
+        net = copy.deepcopy(base)
+        opt = ShardedOptimizer(
+            net, _adamw(net), DP, 2, info.shard_index, dp_group=lambda: m.group("dp", range(DP)),
+            instance_group=lambda: m.group(f"instance{info.instance}", info.shard_group),
+            grad_clip=CLIP, side_channel_numel=DP * HASH_BYTES)
+        participant = ShardedParticipant(SimpleNamespace(step=0), list, dp_size=DP, world_size=DP, num_instances=2,
+                                         shard_index=info.shard_index)
+        participant.sharded = opt
+        for step in range(STEPS):
+            batch = batches[step][m.rank]
+            participant.at_step_boundary()
+            _loss("mlp", net, batch).backward()
+            side = encode_hash(batch_hash(_batch_ids("mlp", batch)), m.rank, DP)
+            if step == fault:
+                summed = opt.reduce_gradients(side)
+                assert summed is not None
+                if m.rank not in keeps:
+                    opt.discard(count_step=False)
+                elif case == "rewound":
+                    opt.update_shard()
+                    assert participant.progress() == (fault, GATHERING)
+                else:
+                    opt.apply()
+                    participant.data_digest.update(decode_hashes(summed))
+                    participant.at_step_boundary()
+                assert RecoveryEngine(m, dims, None).transfer(participant, decision)
+                assert participant.progress() == (decision.step, 0)
+                if case == "rolled_forward":
+                    continue
+                # Every rank's gradients went into the all-reduce that completed here (where it fails, a rank keeps
+                # them): computed again, from the boundary's parameters, which rank 2 holds again.
+                _loss("mlp", net, batch).backward()
+            summed = opt.step(side)
+            assert summed is not None
+            participant.data_digest.update(decode_hashes(summed))
+        params, state = opt.full_state()
+        return {"digest": state_digest(params, state), "shard": {k: v.clone() for k, v in opt.shard_state().items()},
+                "data": participant.data_digest_hex()}
+
+    clean = _sharded("mlp", 2, CLIP)
+    data = DataDigest()
+    for sides in clean[0]["sides"]:
+        data.update([bytes.fromhex(h) for h in sides])
+    for r, out in enumerate(run_threads(DP, fn, timeout_s=120)):
+        assert out["digest"] == clean[r]["digest"], f"rank {r}: the full state differs from the run without the fault"
+        for key, want in clean[r]["shard_state"].items():
+            assert torch.equal(out["shard"][key], want), f"rank {r}: shard_state[{key!r}] differs"
+        assert out["data"] == data.hexdigest, f"rank {r}: the data digest differs"
 
 
 @pytest.mark.timeout(30)

@@ -720,6 +720,7 @@ class _Job:
                 in_flight = completed + 1
             t0 = fault["fault_t"]
             rolled: list[int] = next((r["rolled_forward"] for r in recs.values() if r.get("rolled_forward")), [])
+            rewound: list[int] = next((r["rewound"] for r in recs.values() if r.get("rewound")), [])
 
             def elapsed(ts: list[dict[str, Any]], t0: float = t0, world: int = world) -> float | None:
                 return round(max(s["t"] for s in ts) - t0, 4) if len(ts) == world else None
@@ -742,6 +743,8 @@ class _Job:
                 "reason": next((r["reason"] for r in recs.values()), ""),
                 # Survivors that completed the fault step from a replica's parameters (`restart.recovery`)
                 **({"rolled_forward": rolled} if rolled else {}),
+                # Survivors past the fault step's gradient all-reduce that took their boundary back from a replica
+                **({"rewound": rewound} if rewound else {}),
                 "exit_codes": fault["exit_codes"],
                 "replacement": fault["replacement"],
                 # why the watchdog declared it hung, and its deadline then (max(floor, 10 x p95 step) by default)

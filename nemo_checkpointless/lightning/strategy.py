@@ -472,7 +472,7 @@ class CheckpointlessStrategy(ParallelStrategy):
                 self._recover(failure)
                 replay = True
 
-    def _recover(self, failure: PeerFailure) -> None:
+    def _recover(self, failure: PeerFailure) -> Decision:
         """Raises RestartFromCheckpoint when peers cannot help, or when the restored state fails its verification."""
         decision = self.session.engine.recover(self.participant, failure)
         # Nobody checks at the decision's boundary any more (a rank rolled forward, `finish_step`, reaches it only
@@ -481,7 +481,8 @@ class CheckpointlessStrategy(ParallelStrategy):
         try:
             self.runtime.verify_restore(self.participant, decision.step, decision.sources, "p2p")
         except PeerFailure as again:  # a fault while verifying: one more recovery (verified in its turn)
-            self._recover(again)
+            return self._recover(again)
+        return decision
 
     def _replay(self, micro_batches: int) -> None:
         """Back to the step's boundary: RNG as it was, no gradients; then the step's first `micro_batches` again."""
@@ -523,6 +524,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         runtime = self.runtime
         compare = True  # the replicas' digests this step (off once a vote found equal states: never loop on it)
         replay = False
+        summed: torch.Tensor | None = None
         while True:
             digests = compare and runtime.digests_every_step(self.num_instances)  # the world may have shrunk
             try:
@@ -541,6 +543,7 @@ class CheckpointlessStrategy(ParallelStrategy):
                 if digests:
                     at = hashes + 1 + world + DIGEST_SLOTS * self.global_rank
                     side[at:at + DIGEST_SLOTS] = encode_digest(runtime.step_digest(self.participant))
+                summed = None  # until this attempt's gradient all-reduce completes here
                 summed = self.sharded.reduce_gradients(side, local_norm_at=hashes + 1 + self.global_rank)
                 assert summed is not None
                 ranks = self.membership.world().ranks
@@ -569,15 +572,20 @@ class CheckpointlessStrategy(ParallelStrategy):
                 # Raises RestartFromCheckpoint when peers cannot help. Without collectives of its own, the step
                 # is retried from its gradient all-reduce with the gradients this rank already holds.
                 replay = replay or self._step_collectives > 0
-                self._recover(failure)
+                decision = self._recover(failure)
                 if self.sharded.completed_steps == step:  # rolled forward: completed from a replica (`finish_step`)
                     break
-        assert summed is not None  # the step's gradient all-reduce completed (a step is never done without it)
+                # Rewound (`rewind_step`): past the gradient all-reduce the others never completed, this rank's own
+                # gradients went into it; it computes them again from the boundary.
+                replay = replay or self.global_rank in decision.rewound
         if self.session.faults.flip_param_now():  # fault plan kind bitflip, target param
             self.participant.flip_bit("param")
-        self.participant.data_digest.update(decode_hashes(summed[:hashes]))
-        # Every rank of the shrunk world sees the same sum: they all leave at the next boundary, or none does.
-        self._regroup = self.membership.active is not None and bool(summed[hashes] > 0)
+        if summed is not None:
+            self.participant.data_digest.update(decode_hashes(summed[:hashes]))
+            # Every rank of the shrunk world sees the same sum: they all leave at the next boundary, or none does.
+            self._regroup = self.membership.active is not None and bool(summed[hashes] > 0)
+        # else: the all-reduce failed here and completed on the others; the step came from a replica, its data
+        # digest with it (`finish_step`), in a whole world only (`recovery.decide`): nobody regroups.
         self._step_hashes = {}
         self._in_step = False
         self.session.stamps.stamp(self.sharded.completed_steps)

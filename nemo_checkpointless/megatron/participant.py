@@ -21,7 +21,7 @@ Contract: `at_step_boundary` is called by the training loop before every step (a
 this rank's shard is updated, as its instance's parameter all-gather starts; `boundary_state` and `load_state` are
 called by the engine only between the boundary snapshot and the step's gradient reduction, when params and
 optimizer state are still those of the boundary (no big tensor is copied in the fault-free path), and
-`finish_step` only in `GATHERING`.
+`rewind_step` only in `GATHERING`, `finish_step` there or in phase 0 of the step after a replica's.
 """
 
 from __future__ import annotations
@@ -223,13 +223,24 @@ class MegatronParticipant:
 
     def finish_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """The step in flight completed from a replica that completed it: this rank's instance lost a partner in the
-        parameter all-gather, after this rank had updated its own shard. The replica holds the same shard (its
-        update of it is bitwise this rank's: the same reduced gradients, norm and optimizer), the whole parameters
-        of the step, and RNG, data digest and position at its end, which every data-parallel rank shares: its
-        whole boundary state is this rank's at the end of the step, and is loaded as such."""
-        if self.phase != GATHERING or meta.get("step") != self.completed_steps + 1:
+        parameter all-gather, after this rank had updated its own shard (bitwise the replica's: the same reduced
+        gradients, norm and optimizer); or its gradient reduction failed here and completed on the replica (phase
+        0). The replica holds the same shard, the whole parameters of the step, and RNG, data digest and position
+        at its end, which every data-parallel rank shares: its whole boundary state is this rank's at the end of
+        the step, and is loaded as such."""
+        if self.phase not in (0, GATHERING) or meta.get("step") != self.completed_steps + 1:
             raise ValueError(f"state of step {meta.get('step')} offered to finish step {self.completed_steps + 1} "
-                             f"(phase {self.phase}): only a rank in its parameter all-gather is rolled forward")
+                             f"(phase {self.phase})")
+        self.load_state(tensors, meta)
+
+    def rewind_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """The step in flight undone from a replica at its boundary: this rank updated its shard for a step whose
+        gradient reduction other survivors never completed. The replica's boundary state (parameters, shard,
+        optimizer state, and RNG and data position, which every data-parallel rank shares) is this rank's at the
+        boundary, and is loaded as such; the loop enters that step again."""
+        if self.phase != GATHERING or meta.get("step") != self.completed_steps:
+            raise ValueError(f"state of step {meta.get('step')} offered to undo step {self.completed_steps + 1} "
+                             f"(phase {self.phase}): only a rank with its shard updated is rewound")
         self.load_state(tensors, meta)
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:

@@ -382,6 +382,9 @@ def recover_in_process(strategy: MegatronDoor, error: Exception, watch: FaultWat
         if rank in decision.rolled_forward:  # loaded with a replica's state at the end of the step it was in
             resume = own_boundary_state(part)
             how += ", rolled forward"
+        elif rank in decision.rewound:  # loaded with a replica's state at the start of the step it was in
+            resume = own_boundary_state(part)
+            how += ", rewound"
     except RestartFromCheckpoint as restart:
         resume = checkpoint_state(strategy, restart.decision.step)
         strategy.restored = ("checkpoint", {})

@@ -100,13 +100,32 @@ class ShardedParticipant:
         return self.optimizer.completed_steps, self.optimizer.phase
 
     def finish_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """The step in flight completed from a replica's parameters: this rank's instance lost a partner in the
-        parameter all-gather, after this rank had updated its own shard (which the replica's equals; the
-        integrity check compares them after the recovery). Its RNG, schedule and data are already the step's."""
+        """The step in flight completed from a replica that completed it. In `GATHERING` (this rank's instance lost a
+        partner in the parameter all-gather, after this rank had updated its own shard, which the replica's equals;
+        the integrity check compares them after the recovery): the parameters. In phase 0 (the gradient all-reduce
+        completed on the replica, not here): the shard's state and the data digest too. Its RNG, schedule and data
+        position are already the step's (its forward and backward ran; the scheduler steps after)."""
         sharded = self.optimizer
         if meta["step"] != sharded.completed_steps + 1:
             raise ValueError(f"parameters of step {meta['step']} offered to finish step {sharded.completed_steps + 1}")
+        if sharded.phase == 0:
+            self._load_shard(tensors)
+            self.data_digest = DataDigest(meta["data_digest"]["hexdigest"], meta["data_digest"]["steps"])
         sharded.complete_from([tensors[f"param.group{i}"] for i in range(len(sharded.groups))])
+
+    def rewind_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """The step in flight undone from a replica at its boundary: this rank updated its shard (and its instance's
+        all-gather may have written parts of the parameters) for a step whose gradient all-reduce other survivors
+        never completed. The replica's parameters and shard state are the boundary's; this rank's RNG at the
+        boundary, schedule and data position already are, so the step runs again from them (its gradients too:
+        the all-reduce consumed them)."""
+        sharded = self.optimizer
+        if sharded.phase != 2 or meta["step"] != sharded.completed_steps:
+            raise ValueError(f"state of step {meta['step']} offered to undo step {sharded.completed_steps + 1} "
+                             f"(phase {sharded.phase}): only a rank with its shard updated is rewound")
+        self.load_state(tensors, meta)
+        self.rng_to_restore = None  # the boundary's RNG is this rank's own (`boundary`), restored by the replay
+        sharded.rewind()
 
     def data_digest_hex(self) -> str:
         return self.data_digest.hexdigest
@@ -150,13 +169,7 @@ class ShardedParticipant:
         opt = sharded.optimizer
         for i, g in enumerate(sharded.groups):
             g.flat.copy_(tensors[f"param.group{i}"])
-            # Shard-shaped state goes to the shard's device; scalars (AdamW's `step`) stay on the host unless the
-            # optimizer keeps them on the device (capturable / fused), as the optimizer itself would create them.
-            on_device = bool(opt.param_groups[i].get("capturable") or opt.param_groups[i].get("fused"))
-            state = {name.split(".", 2)[2]: t.to(g.flat.device if on_device or t.shape == g.shard.shape
-                                                 else "cpu", copy=True)
-                     for name, t in tensors.items() if name.startswith(f"shard.group{i}.")}
-            opt.state[g.shard] = state
+        self._load_shard(tensors)
         for group, lr in zip(opt.param_groups, meta["lrs"], strict=True):
             group["lr"] = lr
         for scheduler, sd in zip(self.schedulers(), meta["schedulers"], strict=True):
@@ -165,6 +178,18 @@ class ShardedParticipant:
         self.data_digest = DataDigest(meta["data_digest"]["hexdigest"], meta["data_digest"]["steps"])
         sharded.completed_steps = meta["step"]
         self.position.step = meta["step"]
+
+    def _load_shard(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The optimizer state of this rank's shard, from a state's `shard.*` tensors."""
+        sharded = self.optimizer
+        opt = sharded.optimizer
+        for i, g in enumerate(sharded.groups):
+            # Shard-shaped state goes to the shard's device; scalars (AdamW's `step`) stay on the host unless the
+            # optimizer keeps them on the device (capturable / fused), as the optimizer itself would create them.
+            on_device = bool(opt.param_groups[i].get("capturable") or opt.param_groups[i].get("fused"))
+            opt.state[g.shard] = {name.split(".", 2)[2]: t.to(g.flat.device if on_device or t.shape == g.shard.shape
+                                                              else "cpu", copy=True)
+                                  for name, t in tensors.items() if name.startswith(f"shard.group{i}.")}
 
     # --------------------------------------------------------------------------------- the integrity checks
     def integrity_digests(self) -> tuple[int, int, bool]:

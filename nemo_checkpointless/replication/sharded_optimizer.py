@@ -201,12 +201,24 @@ class ShardedOptimizer:
         self.phase = 0
 
     def complete_from(self, flats: list[torch.Tensor]) -> None:
-        """After `update_shard`, when the instance's parameter all-gather failed (a partner was lost): the step's
-        full parameters, one flat tensor per group, from a replica that completed the step; the step is done."""
-        assert self.phase == 2, f"no updated shard waiting for its parameters (phase {self.phase})"
+        """The step's full parameters, one flat tensor per group, from a replica that completed the step; the step
+        is done. After `update_shard`, when the instance's parameter all-gather failed (a partner was lost); or in
+        phase 0, when the gradient all-reduce failed here but completed on the replica, whose shard state the
+        caller loaded (`ShardedParticipant.finish_step`): this rank's own gradients went into it, and are dropped."""
+        assert self.phase in (0, 2), f"a step in phase {self.phase} cannot be completed from a replica"
         for g, flat in zip(self.groups, flats, strict=True):
             g.flat.copy_(flat)
+        if self.phase == 0:
+            for p in self.parameters():
+                p.grad = None
         self.completed_steps += 1
+        self.phase = 0
+
+    def rewind(self) -> None:
+        """After `update_shard`, once the shard, its state and the parameters of the step's boundary were loaded
+        back (`ShardedParticipant.rewind_step`): the step is to run again from its gradient computation."""
+        assert self.phase == 2, f"no updated shard to undo (phase {self.phase})"
+        self.flat_grad.zero_()
         self.phase = 0
 
     def discard(self, count_step: bool) -> None:

@@ -26,7 +26,14 @@ never used. One exception, for a participant that can finish a step from a repli
 instance's parameter all-gather leaves its instance partners one step behind, their own shards already updated
 for step R (`GATHERING`), while the other instances completed step R. Those partners are rolled forward: each
 receives the parameters of step R from a replica at R (`Participant.finish_step`), so nobody goes back a step.
-Anything else (survivors further apart, or a participant that cannot) goes to the checkpoint.
+The same for a survivor whose gradient all-reduce of step R failed (R-1 completed, phase 0) while it completed on
+the others (its gradients went into it): it receives its shard's state and the parameters of step R.
+The mirror case, for the same participants: a gloo all-reduce does not complete on every rank at once, so a rank
+lost inside the gradient all-reduce of step R+1 may leave some survivors past it (their shards updated for R+1,
+`GATHERING` with R completed) while the others never got its result (R completed, phase 0). Those ahead are rewound:
+each takes its shard and parameters of boundary R back from a replica at R (`Participant.rewind_step`) and runs
+step R+1 again with everyone. Anything else (survivors further apart, or a participant that cannot) goes to the
+checkpoint.
 """
 
 from __future__ import annotations
@@ -123,13 +130,19 @@ class Participant(Protocol):
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None: ...
 
-    # Whether a survivor left `GATHERING` by a lost instance partner can complete its step from a replica's
-    # parameters (`finish_step`); the same on every rank of a job.
+    # Whether a survivor left in `GATHERING` can complete its step from a replica's parameters (`finish_step`)
+    # or undo it from a replica's boundary state (`rewind_step`); the same on every rank of a job.
     rolls_forward: bool
 
     def finish_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Complete the step in flight from `boundary_state()` of a replica that completed it: its parameters only
         (this rank's own shard, RNG, schedule and data are already those of the step)."""
+        ...
+
+    def rewind_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Undo the step in flight from `boundary_state()` of a replica at its boundary: this rank updated its shard
+        for a step whose gradient all-reduce other survivors never completed; it takes the boundary's parameters and
+        shard back (its RNG, schedule and data position are the boundary's already) and runs the step again."""
         ...
 
 
@@ -141,6 +154,7 @@ class Decision:
     sources: dict[int, int] = field(default_factory=dict)
     reason: str = ""
     rolled_forward: tuple[int, ...] = ()  # survivors that complete step `step` from a replica (`finish_step`)
+    rewound: tuple[int, ...] = ()  # survivors past step `step + 1`'s gradient all-reduce, back at `step`
 
 
 class Reshape(Exception):  # a control-flow signal, not an error
@@ -179,7 +193,8 @@ def decide(dims: ParallelDims, reports: Sequence[Sequence[int]], checkpoints: Ch
            ranks: Sequence[int] | None = None, roll_forward: bool = False) -> Decision:
     """The recovery decision from every rank's report (identical on every rank: a pure function). `reports[i]`
     is the report of global rank `ranks[i]` (default: rank i). `roll_forward`: survivors one step behind, in
-    `GATHERING`, may complete that step from a replica (see the module's docstring)."""
+    `GATHERING`, may complete that step from a replica, and survivors past the gradient all-reduce that others
+    never completed may undo their step from one (see the module's docstring)."""
     ranks = list(range(len(reports))) if ranks is None else list(ranks)
     by_rank = dict(zip(ranks, reports, strict=True))
     replaced = tuple(r for r, rep in by_rank.items() if rep[0] == REPLACEMENT)
@@ -188,26 +203,36 @@ def decide(dims: ParallelDims, reports: Sequence[Sequence[int]], checkpoints: Ch
         return _fallback(replaced, 0, checkpoints, "no rank survived")
     step = max(by_rank[r][1] for r in survivors)
     at_step = [r for r in survivors if by_rank[r][1] == step and by_rank[r][2] == 0]
+    absent = [r for r in range(dims.world_size) if r not in by_rank]  # not in this world (a shrunk one)
+    # Behind in phase 0: the gradient all-reduce of step `step` completed on the others, so this rank's gradients
+    # went into it; only in the whole world (a shrunk world's ranks also learn from its sum whether to grow back).
     behind = [r for r in survivors if roll_forward and at_step and by_rank[r][1] == step - 1
-              and by_rank[r][2] == GATHERING]
-    digest = {(by_rank[r][3], by_rank[r][4]) for r in at_step}
-    bad = [r for r in survivors if r not in at_step and r not in behind] if len(digest) == 1 else survivors
+              and (by_rank[r][2] == GATHERING or (by_rank[r][2] == 0 and not absent))]
+    ahead = [r for r in survivors if roll_forward and at_step and by_rank[r][1] == step
+             and by_rank[r][2] == GATHERING]
+    digest = {(by_rank[r][3], by_rank[r][4]) for r in (*at_step, *ahead)}
+    bad = [r for r in survivors if r not in (*at_step, *behind, *ahead)] if len(digest) == 1 else survivors
     if bad:
         return _fallback(replaced, min(by_rank[r][1] for r in survivors), checkpoints,
                          f"survivors {bad} are not at the common step boundary {step} (a replica whose step "
                          "disagrees is never used)")
-    absent = [r for r in range(dims.world_size) if r not in by_rank]  # not in this world (a shrunk one)
-    plan = plan_recovery(dims, (*replaced, *behind), exclude=absent)
+    plan = plan_recovery(dims, (*replaced, *behind, *ahead), exclude=absent)
+    past = (f"survivors {ahead} updated their shards for step {step + 1}, whose gradient all-reduce the others never "
+            "completed")
     if not plan.recoverable:
         if behind:
             return _fallback(replaced, step - 1, checkpoints, f"survivors {behind} are one step behind the others "
                              f"and {plan.reason}")
+        if ahead:
+            return _fallback(replaced, step, checkpoints, f"{past}, and {plan.reason}")
         return _fallback(replaced, step, checkpoints, plan.reason)
     reason = "every lost shard has a live replica"
     if behind:
-        reason += (f"; survivors {behind} lost an instance partner in step {step}'s parameter all-gather and "
-                   "complete that step from a replica")
-    return Decision("p2p", step, replaced, dict(plan.sources), reason, tuple(behind))
+        reason += (f"; survivors {behind} did not complete step {step} (its gradient all-reduce or parameter "
+                   "all-gather lost a rank) and complete that step from a replica")
+    if ahead:
+        reason += f"; {past}, and take their boundary {step} back from a replica"
+    return Decision("p2p", step, replaced, dict(plan.sources), reason, tuple(behind), tuple(ahead))
 
 
 def _fallback(replaced: tuple[int, ...], step: int, checkpoints: CheckpointStore | None, why: str) -> Decision:
@@ -320,7 +345,8 @@ class RecoveryEngine:
             record.update(role="survivor" if role == SURVIVOR else "replacement", path=decision.path,
                           completed=participant.progress()[0] if role == SURVIVOR else None,
                           step=decision.step, replaced=list(decision.replaced),
-                          rolled_forward=list(decision.rolled_forward), decided_t=time.time(),
+                          rolled_forward=list(decision.rolled_forward), rewound=list(decision.rewound),
+                          decided_t=time.time(),
                           bytes_received=self.bytes_received, transfer_s=round(self.transfer_s, 4),
                           reason=decision.reason)
             self.store.set(record_key(generation, self.membership.rank), json.dumps(record))
@@ -393,6 +419,8 @@ class RecoveryEngine:
                     continue
                 if me in decision.rolled_forward:
                     participant.finish_step(tensors, meta)
+                elif me in decision.rewound:
+                    participant.rewind_step(tensors, meta)
                 else:
                     participant.load_state(tensors, meta)
                 self.transfer_s = time.perf_counter() - t0  # the source's packing, the bytes, the checks, the load
@@ -434,4 +462,7 @@ class ReceivedState:
     rolls_forward = True  # as `MegatronParticipant`: every rank of a job decides alike
 
     def finish_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        raise RuntimeError("a replacement has no step in flight")
+
+    def rewind_step(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         raise RuntimeError("a replacement has no step in flight")
