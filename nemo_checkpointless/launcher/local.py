@@ -205,6 +205,7 @@ class _Job:
     generation: int = 0
     refill: int = 0
     unrecovered: int = 0  # faults since the last recovery that completed (every rank finished a step after it)
+    groups_forgotten_below: int = 0  # the generations whose groups' store keys are deleted (`forget_groups`)
     seen_injections: set[int] = field(default_factory=set)
     hang_deadline: float | None = None
     hang_handled: set[int] = field(default_factory=set)  # generations whose hang report was acted on
@@ -442,7 +443,6 @@ class _Job:
         self.store.set(generation_info_key(self.generation),
                        protocol.GenerationInfo(failed, fault_t, target, active).to_json())
         self.store.set(GENERATION_KEY, str(self.generation))
-        self.forget_groups()
 
     def _ready_spares(self, failed: list[int]) -> list[int]:
         """The spares ready to take a rank now; with replication.replacement_timeout_s, first waits that long for
@@ -515,19 +515,20 @@ class _Job:
         self.store.set(generation_info_key(self.generation),
                        protocol.GenerationInfo(rejoin, now, None, None).to_json())
         self.store.set(GENERATION_KEY, str(self.generation))
-        self.forget_groups()
 
     def forget_groups(self) -> None:
         """The store keys of the process groups of generations no rank uses any more (all but the two newest:
         every rank has left a generation once the one after it was declared failed or grown), deleted: a job that
         recovers a thousand times holds the keys of two generations' groups, not of a thousand. The job's records
-        (`job/...`) stay."""
-        if self.generation < 2:
+        (`job/...`) stay. Called once the newest generation's recovery completed (every rank trained a step in it)
+        and at the end, not as a generation is published: the ranks then form its groups through this store."""
+        if self.generation - 1 <= self.groups_forgotten_below:
             return
         for key in self.store.list_keys():
             generation = protocol.group_generation(key)
             if generation is not None and generation < self.generation - 1:
                 self.store.delete_key(key)
+        self.groups_forgotten_below = self.generation - 1
 
     def watch_shrunk(self) -> None:
         """A shrunk world: once a spare is ready for every missing rank, ask the ranks to grow back (they agree on
@@ -802,6 +803,8 @@ class _Job:
         self.watch_joining(codes)
         self.watch_progress(codes)
         self.watch_shrunk()
+        if self.generation - 1 > self.groups_forgotten_below and self.recovery_done(self.generation):
+            self.forget_groups()
         if self.unrecovered and self.recovery_done(self.generation):
             self.unrecovered = 0  # the restart budget counts failures in a row, not the run's recoveries
         if self.refill and self.recovery_done(self.generation):
@@ -815,6 +818,7 @@ class _Job:
         # What rank 0's CheckpointlessCallback reports; a worker without the callback (tier 1: the launcher alone)
         # reports nothing, and the summary says only what the launcher saw.
         cfg, run_dir, store = self.cfg, self.run_dir, self.store
+        self.forget_groups()  # every rank has ended: the last recovery's old groups, if no tick deleted them yet
         path = run_dir / protocol.WORKER_SUMMARY
         worker_summary: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
         train_s: float | None = None
