@@ -41,7 +41,7 @@ from nemo_checkpointless.config import (
     TrainerConfig,
     save_run_config,
 )
-from nemo_checkpointless.nemo.export import merge_slices
+from nemo_checkpointless.megatron.export import merge_slices
 from nemo_checkpointless.state.checkpoint import CheckpointStore
 
 TESTS = Path(__file__).resolve().parent
@@ -213,7 +213,7 @@ def test_a_checkpoint_of_another_layout_gets_one_message(tmp_path: Path, capsys:
 
 
 def test_merge_slices_places_pipeline_stages_and_joins_tensor_parallel_slices() -> None:
-    """Megatron's rules (module doc of nemo.export) on small made-up slices: PP=2 x TP=2, 4 layers, tied embedding
+    """Megatron's rules (module doc of megatron.export) on small made-up slices: PP=2 x TP=2, 4 layers, tied embedding
     (the last stage's copy of it is dropped); the e2e test above checks TP against megatron's own computation."""
     m = ModelConfig(n_layers=4, tie_embeddings=True)
     slices: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -291,7 +291,7 @@ def _script_main(run_dir: Path, tokens_path: Path, out: Path, exports: dict[int,
     from megatron.core import parallel_state, tensor_parallel
 
     from nemo_checkpointless.config import load_run_config
-    from nemo_checkpointless.nemo.export import read_slices
+    from nemo_checkpointless.megatron.export import read_slices
     from nemo_checkpointless.nemo.worker import build_model
 
     cfg = load_run_config(run_dir)

@@ -1,7 +1,8 @@
 """`checkpointless-export --run-dir RUN_DIR [--step N] --out DIR [--format hf]`: one step of a run's persistent
 checkpoint as a directory the Hugging Face ecosystem loads (`transformers.LlamaForCausalLM.from_pretrained(DIR)`).
 
-Reads the run's saved config and the checkpoint (`nemo.export`, no NeMo needed); writes the model parameters only.
+Reads the run's saved config and the checkpoint (`megatron.export`, no NeMo or megatron-core needed); writes the
+model parameters only.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from nemo_checkpointless.errors import ConfigError
-from nemo_checkpointless.nemo.export import FORMATS, export_hf
+from nemo_checkpointless.megatron.export import FORMATS, export_hf
 
 PROG = "checkpointless-export"
 

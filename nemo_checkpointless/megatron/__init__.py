@@ -7,4 +7,7 @@ or Megatron-LM next) shares, importing megatron-core only (never NeMo or Lightni
 - `digest`: the canonical digest of a job's state, however the optimizer state is sharded;
 - `groups`: the default group and megatron's groups across generations (the fault watch, abandoning a failed
   generation's groups, freeing a failed setup).
+- `data`: datasets indexed by the position Megatron's pretraining sampler reads (ours, and a user's through the
+  shared-memory cache), and the per-step record of the micro-batches a step consumed;
+- `export`: a checkpoint of megatron's TP/PP slices merged and written as a Hugging Face Llama directory.
 """

@@ -33,6 +33,7 @@ import torch
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
 from nemo_checkpointless.errors import ConfigError, SummaryError
+from nemo_checkpointless.megatron.data import clear_recorded
 from nemo_checkpointless.megatron.groups import FaultWatch, abandon_default_group, drop_megatron_groups, release_fit
 from nemo_checkpointless.megatron.participant import MegatronParticipant, own_boundary_state
 from nemo_checkpointless.protocol import SPARE_ID_ENV
@@ -355,8 +356,6 @@ def recover_in_process(strategy: MegatronDoor, error: Exception, watch: FaultWat
     """A survivor, out of a failed `fit`: wait until the launcher declares the failure (re-raise `error` if it never
     does: then it was this rank's own), run the recovery engine, and return the state the next `fit` starts from
     (its own boundary state, or the checkpoint's) and how it recovered. Lets the failed fit's megatron objects go."""
-    from nemo_checkpointless.nemo.data import clear_recorded
-
     session = strategy.session
     store, rank, timeout = session.store, session.env.rank, strategy.pg_timeout_s or 30.0
     clear_recorded()

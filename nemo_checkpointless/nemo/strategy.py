@@ -50,9 +50,9 @@ from typing_extensions import override  # noqa: E402
 
 from nemo_checkpointless.errors import ConfigError  # noqa: E402
 from nemo_checkpointless.megatron import numerics  # noqa: E402
+from nemo_checkpointless.megatron.data import RecordingIterator, gather_step_hashes  # noqa: E402
 from nemo_checkpointless.megatron.groups import FaultWatch, one_gloo_group_per_member_set  # noqa: E402
 from nemo_checkpointless.megatron.participant import MegatronParticipant, distributed_optimizers  # noqa: E402
-from nemo_checkpointless.nemo.data import RecordingIterator, gather_step_hashes  # noqa: E402
 from nemo_checkpointless.nemo.restart import (  # noqa: E402
     NEMO_DEFAULT_SEED,
     InProcessLauncher,
