@@ -15,8 +15,10 @@ import safetensors
 import safetensors.torch
 import torch
 
+from nemo_checkpointless.restart.channel import SideChannel
 from nemo_checkpointless.restart.recovery import GATHERING, REPLACEMENT, SURVIVOR, decide
 from nemo_checkpointless.state.checkpoint import CheckpointStore
+from nemo_checkpointless.state.hashing import HASH_BYTES
 from nemo_checkpointless.state.packing import PackError, checksum, pack, unpack
 from nemo_checkpointless.topology import ParallelDims
 
@@ -265,3 +267,25 @@ def test_checkpoint_store_shared_tensors_are_written_once_and_read_by_every_shar
     store.save_shard(8, 0, {"model.w": torch.zeros(2)}, {"step": 8})
     store.save_shard(8, 2, {"model.w": torch.full((2,), 2.0)}, {"step": 8})
     assert torch.equal(store.load_rank_state(8, 1)[0]["model.w"], torch.ones(2))
+
+
+def test_the_side_channel_carries_every_ranks_values_exactly_through_a_sum() -> None:
+    # Three ranks of a world of 4 (a shrunk one: rank 3 parked, rank 2 serving it); each writes its own slots, as
+    # before the gradient all-reduce; the sum (the all-reduce's) gives every rank's value back.
+    channel = SideChannel(world=4)
+    hashes = {r: bytes([r + 1] * HASH_BYTES) for r in range(4)}
+    sides = []
+    for rank, served in ((0, [0]), (1, [1]), (2, [2, 3])):
+        side = channel.compose({r: hashes[r] for r in served}, grow=rank == 1)
+        channel.put_digest(side, rank, 0xFFFFFFFF - rank)
+        side[channel.norm_at(rank)] = float("nan") if rank == 2 else 0.5 * rank
+        sides.append(side)
+    summed = torch.stack(sides).sum(0)
+    assert summed.numel() == channel.numel == 4 * (HASH_BYTES + 1 + 4) + 1
+    assert channel.hashes(summed) == [hashes[r] for r in range(4)]
+    assert channel.grow(summed) and not channel.grow(sides[0])
+    norms = channel.norms(summed, [0, 1, 2])
+    assert norms[0] == 0.0 and norms[1] == 0.5 and norms[2] != norms[2], norms
+    digests = channel.digests(summed).to(torch.int64).tolist()
+    assert [int.from_bytes(bytes(digests[4 * r:4 * r + 4]), "little") for r in range(3)] == [
+        0xFFFFFFFF, 0xFFFFFFFE, 0xFFFFFFFD]

@@ -21,7 +21,9 @@ ENGINE = ["nemo_checkpointless", "nemo_checkpointless.topology", "nemo_checkpoin
           "nemo_checkpointless.data.cache", "nemo_checkpointless.launcher.local", "nemo_checkpointless.config",
           "nemo_checkpointless.planning", "nemo_checkpointless.megatron.participant",
           "nemo_checkpointless.megatron.groups", "nemo_checkpointless.megatron.numerics",
-          "nemo_checkpointless.megatron.digest"]
+          "nemo_checkpointless.megatron.digest", "nemo_checkpointless.megatron.data",
+          "nemo_checkpointless.megatron.export", "nemo_checkpointless.restart.step",
+          "nemo_checkpointless.restart.channel"]
 
 
 def test_engine_imports_neither_lightning_nor_nemo() -> None:

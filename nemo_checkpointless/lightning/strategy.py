@@ -44,11 +44,12 @@ from nemo_checkpointless.lightning.loader import TrainPosition
 from nemo_checkpointless.replication import ShardedOptimizer
 from nemo_checkpointless.replication.participant import ShardedParticipant
 from nemo_checkpointless.restart import Membership, PeerFailure, progress
-from nemo_checkpointless.restart.integrity import DIGEST_SLOTS, encode_digest
+from nemo_checkpointless.restart.channel import SideChannel
 from nemo_checkpointless.restart.recovery import Decision
 from nemo_checkpointless.restart.runtime import RankRuntime
 from nemo_checkpointless.restart.session import JoinSpec, Session, env_number
-from nemo_checkpointless.state.hashing import DataDigest, decode_hashes, encode_hash
+from nemo_checkpointless.restart.step import StepHooks, run_step
+from nemo_checkpointless.state.hashing import DataDigest
 from nemo_checkpointless.topology import ParallelDims, rank_info
 from nemo_checkpointless.topology.shrink import served_ranks
 
@@ -317,7 +318,7 @@ class CheckpointlessStrategy(ParallelStrategy):
             self.lightning_module, self.optimizers[0], dp_size=self.session.dims.dp,
             num_instances=self.num_instances, shard_index=info.shard_index, dp_group=lambda: membership.world(),
             instance_group=lambda: membership.group("instance", info.shard_group), grad_clip=self.grad_clip,
-            side_channel_numel=self._side_numel)
+            side_channel_numel=self.channel.numel)
         if self.join.kind == "kept":  # the same rank, its world reshaped: its own state, kept in memory
             assert self._kept is not None
             self.lightning_module.zero_grad(set_to_none=True)
@@ -368,11 +369,9 @@ class CheckpointlessStrategy(ParallelStrategy):
                               verify_now=participant)
 
     @property
-    def _side_numel(self) -> int:
-        """The side channel of the gradient all-reduce: each rank's batch hash (32 slots a rank), a shrunk world's
-        "grow back" flag, each rank's own gradient norm (the NaN guard), each rank's replica digest (4 slots a rank,
-        a byte each: exact in any float type)."""
-        return self.world_size * 37 + 1
+    def channel(self) -> SideChannel:
+        """What rides the gradient all-reduce (`restart.channel`): batch hashes, grow flag, norms, shard digests."""
+        return SideChannel(self.world_size)
 
     def keep_own_state(self) -> None:
         """Keep this rank's step-boundary state in memory across a re-entry of `fit` (a reshaped world)."""
@@ -514,78 +513,27 @@ class CheckpointlessStrategy(ParallelStrategy):
         result = self.precision_plugin._wrap_closure(model, optimizer, closure)
         self._apply_poison(step)
         beacon.mark(step, progress.GRAD_SYNC)
-        world, hashes = self.world_size, self.world_size * 32
-        side = torch.zeros(self._side_numel)
-        for slot, digest in self._step_hashes.items():
-            side[:hashes] += encode_hash(digest, slot, world)
-        if self.membership.active is not None and (
-                self.session.faults.grow_asked(step) or self.membership.store.check([protocol.GROW_KEY])):
-            side[hashes] = 1.0  # a shrunk world: this rank asks to grow back after this step
-        runtime = self.runtime
-        compare = True  # the replicas' digests this step (off once a vote found equal states: never loop on it)
-        replay = False
-        summed: torch.Tensor | None = None
-        while True:
-            digests = compare and runtime.digests_every_step(self.num_instances)  # the world may have shrunk
+        channel = self.channel
+        # A shrunk world: this rank asks to grow back after this step.
+        side = channel.compose(self._step_hashes, self.membership.active is not None and (
+            self.session.faults.grow_asked(step) or self.membership.store.check([protocol.GROW_KEY])))
+
+        def recompute() -> None:
+            # The step made collectives of its own before its gradient all-reduce, its gradients were not finite,
+            # or this rank was rewound: everyone (or this rank) redoes it from its boundary (a replacement makes
+            # the same collectives for the first time).
+            nonlocal result
+            self._replay(len(self._step_calls) - 1)
+            self._replaying = True
             try:
-                if replay:
-                    # The step made collectives of its own before its gradient all-reduce, or its gradients
-                    # were not finite: everyone redoes it from its boundary (a replacement makes the same
-                    # collectives for the first time).
-                    self._replay(len(self._step_calls) - 1)
-                    self._replaying = True
-                    try:
-                        result = self.precision_plugin._wrap_closure(model, optimizer, closure)
-                    finally:
-                        self._replaying = False
-                    self._apply_poison(step)
-                    replay = False
-                if digests:
-                    at = hashes + 1 + world + DIGEST_SLOTS * self.global_rank
-                    side[at:at + DIGEST_SLOTS] = encode_digest(runtime.step_digest(self.participant))
-                summed = None  # until this attempt's gradient all-reduce completes here
-                summed = self.sharded.reduce_gradients(side, local_norm_at=hashes + 1 + self.global_rank)
-                assert summed is not None
-                ranks = self.membership.world().ranks
-                if digests and runtime.copies_differ(summed[hashes + 1 + world:], ranks):
-                    # A copy of an optimizer shard differs from its replicas before this step's update reads it:
-                    # the gradients are dropped, the replicas vote on the boundary's state (a repair, or a
-                    # rollback that leaves `fit`), and every rank runs the step again.
-                    self.sharded.discard(count_step=False)
-                    replay = True
-                    if runtime.vote(self.participant, step - 1) == "ok":  # equal states cannot give unequal sums
-                        compare = False
-                    continue
-                norms = summed[hashes + 1:hashes + 1 + world]
-                verdict = runtime.judge_norms(step, {r: float(norms[r]) for r in ranks}, self._step_samples)
-                if verdict == "rerun":
-                    self.sharded.discard(count_step=False)
-                    replay = True
-                    continue
-                if verdict == "skip":
-                    self.sharded.discard(count_step=True)
-                else:
-                    self.session.faults.kill_in_gather(step)  # fault plan kind kill, target gather
-                    self.sharded.apply()
-                break
-            except PeerFailure as failure:
-                # Raises RestartFromCheckpoint when peers cannot help. Without collectives of its own, the step
-                # is retried from its gradient all-reduce with the gradients this rank already holds.
-                replay = replay or self._step_collectives > 0
-                decision = self._recover(failure)
-                if self.sharded.completed_steps == step:  # rolled forward: completed from a replica (`finish_step`)
-                    break
-                # Rewound (`rewind_step`): past the gradient all-reduce the others never completed, this rank's own
-                # gradients went into it; it computes them again from the boundary.
-                replay = replay or self.global_rank in decision.rewound
-        if self.session.faults.flip_param_now():  # fault plan kind bitflip, target param
-            self.participant.flip_bit("param")
-        if summed is not None:
-            self.participant.data_digest.update(decode_hashes(summed[:hashes]))
-            # Every rank of the shrunk world sees the same sum: they all leave at the next boundary, or none does.
-            self._regroup = self.membership.active is not None and bool(summed[hashes] > 0)
-        # else: the all-reduce failed here and completed on the others; the step came from a replica, its data
-        # digest with it (`finish_step`), in a whole world only (`recovery.decide`): nobody regroups.
+                result = self.precision_plugin._wrap_closure(model, optimizer, closure)
+            finally:
+                self._replaying = False
+            self._apply_poison(step)
+
+        hooks = StepHooks(recompute, self._recover, lambda: self._step_collectives > 0, self._step_samples)
+        self._regroup = run_step(self.runtime, self.participant, self.membership, self.session.faults, channel, side,
+                                 step, hooks)
         self._step_hashes = {}
         self._in_step = False
         self.session.stamps.stamp(self.sharded.completed_steps)
