@@ -803,14 +803,14 @@ class _Job:
         self.watch_joining(codes)
         self.watch_progress(codes)
         self.watch_shrunk()
-        if self.generation - 1 > self.groups_forgotten_below and self.recovery_done(self.generation):
-            self.forget_groups()
-        if self.unrecovered and self.recovery_done(self.generation):
-            self.unrecovered = 0  # the restart budget counts failures in a row, not the run's recoveries
-        if self.refill and self.recovery_done(self.generation):
-            for _ in range(self.refill):
-                self.start_spare(refill=True)
-            self.refill = 0
+        waiting = self.generation - 1 > self.groups_forgotten_below or self.unrecovered or self.refill
+        if not waiting or not self.recovery_done(self.generation):  # read from the store once a tick at most
+            return False
+        self.forget_groups()
+        self.unrecovered = 0  # the restart budget counts failures in a row, not the run's recoveries
+        for _ in range(self.refill):
+            self.start_spare(refill=True)
+        self.refill = 0
         return False
 
     def summary(self, wall_s: float) -> dict[str, Any]:

@@ -73,13 +73,13 @@ def run_step(runtime: RankRuntime, participant: SummingParticipant, membership: 
     summed: torch.Tensor | None = None
     while True:
         digests = compare and runtime.digests_every_step(participant.num_instances)  # the world may have shrunk
+        summed = None  # until this attempt's gradient all-reduce completes here
         try:
             if replay:
                 hooks.recompute()
                 replay = False
             if digests:
                 channel.put_digest(side, rank, runtime.step_digest(participant))
-            summed = None  # until this attempt's gradient all-reduce completes here
             summed = sharded.reduce_gradients(side, local_norm_at=channel.norm_at(rank))
             assert summed is not None
             ranks = membership.world().ranks
